@@ -1,0 +1,31 @@
+"""Shared fixtures: tiny Qwen2 models built in-process, and the real Qwen2.5-0.5B built offline."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+QWEN25_TOOL = REPO_ROOT.parent / "shared" / "tools" / "get-qwen25-0.5b"
+QWEN25_DIR = Path(os.environ.get("CAUSAL_QWEN_QWEN25_DIR", Path.home() / ".cache" / "causal_qwen" / "qwen2.5-0.5b"))
+
+
+@pytest.fixture(scope="session")
+def qwen25_dir() -> Path:
+    """Folder of the real Qwen2.5-0.5B (weights + tokenizer); built once by the shared tool, then cached."""
+    if not (QWEN25_DIR / ".get-qwen25-0.5b.done").exists():
+        if not QWEN25_TOOL.exists():
+            pytest.fail(f"{QWEN25_DIR} is not built and the tool {QWEN25_TOOL} is missing")
+        QWEN25_DIR.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([str(QWEN25_TOOL), str(QWEN25_DIR), "--python", sys.executable], check=True)
+    return QWEN25_DIR
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
