@@ -1,0 +1,12 @@
+"""causal_qwen: Qwen2 language models that read numbers as values and decide with One-vs-Rest Cauchy heads."""
+
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from .configuration import CausalQwenConfig
+from .modeling import CausalQwenForCausalLM, CausalQwenOutput, CausalQwenPreTrainedModel
+
+AutoConfig.register(CausalQwenConfig.model_type, CausalQwenConfig, exist_ok=True)
+AutoModelForCausalLM.register(CausalQwenConfig, CausalQwenForCausalLM, exist_ok=True)
+
+__all__ = ["CausalQwenConfig", "CausalQwenForCausalLM", "CausalQwenOutput", "CausalQwenPreTrainedModel"]
+__version__ = "0.1.0"

@@ -1,0 +1,121 @@
+"""Configuration of CausalQwen: a Qwen2 configuration plus the fields of the causal heads."""
+
+from __future__ import annotations
+
+import math
+
+from huggingface_hub.dataclasses import strict
+from transformers import Qwen2Config
+
+VALUE_TRANSFORMS = ("identity", "symlog")
+_FLOAT_FIELDS = (
+    "abduction_scale_init", "noise_init", "ovr_threshold", "gate_alpha", "reg_loss_weight", "scale_min",
+)
+
+
+@strict
+class CausalQwenConfig(Qwen2Config):
+    r"""
+    Configuration of [`CausalQwenForCausalLM`]: every field of [`Qwen2Config`] (the backbone) plus
+    the fields of the numeric embedding, the abduction network and the action network.
+
+    Args:
+        num_token_id (`int`, *optional*):
+            Id of the `<NUM>` token. It must lie inside the vocabulary (`0 <= num_token_id < vocab_size`);
+            for Qwen2.5 it is the first reserved row, 151,665. A model with `use_numeric=True` requires it.
+        use_numeric (`bool`, defaults to `True`):
+            Numeric embedding and regression head on. `False` gives the text-only model.
+        freeze_backbone (`bool`, defaults to `True`):
+            The Qwen2 backbone (`model.*`) gets no gradient.
+        causal_size (`int`, *optional*):
+            Size C of the individual representation U; must equal `hidden_size` (defaults to it).
+        abduction_scale_init (`float`):
+            Initial scale of U (γ0), the same at every position.
+        noise_init (`float`):
+            Initial value of every entry of `b_noise`, the exogenous noise scale.
+        ovr_threshold (`float`):
+            The One-vs-Rest decision threshold C_k, the same for every class at initialisation.
+        learnable_threshold (`bool`):
+            Make the threshold a trainable parameter of shape `[vocab_size]`.
+        gate_alpha (`float`, defaults to 0.0):
+            α in `gate = α + (1 - α) · P_<NUM>`; 1.0 turns the gate off.
+        reg_loss_weight (`float`, defaults to 1.0):
+            λ, the weight of the regression loss in the total loss.
+        detach_gate (`bool`, defaults to `True`):
+            The `<NUM>` probability in the gate carries no gradient, so the regression loss cannot
+            teach the classifier to stop predicting numbers.
+        scale_min (`float`, defaults to 1e-6):
+            Floor on every Cauchy scale that enters a decision or a loss.
+        value_transform (`str`):
+            `"identity"`: the regression head models the value itself; `"symlog"`: it models
+            `sign(v)·ln(1 + |v|)`, and values are mapped back by the inverse.
+
+    Example:
+
+    ```python
+    >>> from causal_qwen import CausalQwenConfig, CausalQwenForCausalLM
+    >>> config = CausalQwenConfig(
+    ...     vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    ...     num_attention_heads=4, num_key_value_heads=2, num_token_id=999,
+    ... )
+    >>> model = CausalQwenForCausalLM(config)
+    ```
+    """
+
+    model_type = "causal_qwen"
+
+    # Qwen2Config's default would otherwise tie the head to the embedding; the causal head is its own copy.
+    tie_word_embeddings: bool = False
+
+    num_token_id: int | None = None
+    use_numeric: bool = True
+    freeze_backbone: bool = True
+    causal_size: int | None = None
+    abduction_scale_init: float = 1e-5
+    noise_init: float = 1e-5
+    ovr_threshold: float = 15.0
+    learnable_threshold: bool = False
+    gate_alpha: float = 0.0
+    reg_loss_weight: float = 1.0
+    detach_gate: bool = True
+    scale_min: float = 1e-6
+    value_transform: str = "symlog"
+
+    def __post_init__(self, **kwargs):
+        if self.causal_size is None:
+            self.causal_size = self.hidden_size
+        # Checked here rather than in a `validate_*` hook so that users get a plain ValueError/TypeError.
+        self._check_causal_fields()
+        super().__post_init__(**kwargs)
+
+    def _check_causal_fields(self) -> None:
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+        if self.causal_size != self.hidden_size:
+            raise ValueError(
+                f"causal_size must equal hidden_size ({self.hidden_size}): the abduction network starts as "
+                f"the identity map, got causal_size={self.causal_size}"
+            )
+        if self.num_token_id is not None and not 0 <= self.num_token_id < self.vocab_size:
+            raise ValueError(
+                f"num_token_id must lie inside the vocabulary [0, {self.vocab_size}), got {self.num_token_id}"
+            )
+        for name in ("abduction_scale_init", "scale_min"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite positive number, got {value}")
+        for name in ("noise_init", "reg_loss_weight"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite non-negative number, got {value}")
+        if not math.isfinite(self.ovr_threshold):
+            raise ValueError(f"ovr_threshold must be finite, got {self.ovr_threshold}")
+        if not 0.0 <= self.gate_alpha <= 1.0:
+            raise ValueError(f"gate_alpha must lie in [0, 1], got {self.gate_alpha}")
+        if self.value_transform not in VALUE_TRANSFORMS:
+            raise ValueError(f"value_transform must be one of {VALUE_TRANSFORMS}, got {self.value_transform!r}")
+
+
+__all__ = ["CausalQwenConfig"]

@@ -1,0 +1,498 @@
+"""CausalQwen: a Qwen2 backbone with a numeric embedding, an abduction network and a Cauchy action network.
+
+Read top to bottom: the output dataclass, the three small modules of DESIGN.md §1, the pretrained-model
+base with its initialisation (§3), and `CausalQwenForCausalLM` with its forward pass and `from_qwen`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import Qwen2ForCausalLM, Qwen2Model
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+from transformers.generation import GenerationMixin
+from transformers.modeling_utils import slice_logits_to_keep
+from transformers.models.qwen2.modeling_qwen2 import Qwen2PreTrainedModel
+from transformers.utils import ModelOutput, can_return_tuple
+
+from . import cauchy
+from .configuration import CausalQwenConfig
+from .loss import IGNORE_INDEX, causal_qwen_loss
+
+__all__ = ["CausalQwenOutput", "CausalQwenPreTrainedModel", "CausalQwenForCausalLM"]
+
+
+@dataclass
+class CausalQwenOutput(ModelOutput):
+    r"""
+    Output of [`CausalQwenForCausalLM`]. Shapes use B batch, S positions kept, V vocabulary, C causal size.
+
+    Args:
+        loss (`torch.FloatTensor` of shape `()`, *optional*, returned when `labels` is given):
+            `cls_loss + reg_loss_weight · reg_loss`.
+        cls_loss (`torch.FloatTensor` of shape `()`, *optional*):
+            One-vs-Rest classification loss, averaged over positions with a label.
+        reg_loss (`torch.FloatTensor` of shape `()`, *optional*):
+            Gated Cauchy NLL, averaged over positions whose label is `<NUM>` (0 when there is none).
+        logits (`torch.FloatTensor` of shape `(B, S, V)`):
+            The same tensor as `loc_S`, so code written for Qwen2 logits keeps working.
+        loc_S, scale_S (`torch.FloatTensor` of shape `(B, S, V)`):
+            Location and scale of the Cauchy decision score of every class.
+        loc_Y, scale_Y (`torch.FloatTensor` of shape `(B, S)`, *optional*):
+            Location (median) and scale of the Cauchy regression output, in the space of
+            `config.value_transform`; [`CausalQwenForCausalLM.value_interval`] maps them to values.
+        loc_U, scale_U (`torch.FloatTensor` of shape `(B, S, C)`):
+            The individual's causal representation U ~ Cauchy(loc_U, scale_U).
+        past_key_values (`Cache`, *optional*): as in Qwen2.
+        hidden_states (`tuple(torch.FloatTensor)`, *optional*): as in Qwen2.
+        attentions (`tuple(torch.FloatTensor)`, *optional*): as in Qwen2.
+    """
+
+    loss: torch.FloatTensor | None = None
+    cls_loss: torch.FloatTensor | None = None
+    reg_loss: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+    loc_S: torch.FloatTensor | None = None
+    scale_S: torch.FloatTensor | None = None
+    loc_Y: torch.FloatTensor | None = None
+    scale_Y: torch.FloatTensor | None = None
+    loc_U: torch.FloatTensor | None = None
+    scale_U: torch.FloatTensor | None = None
+    past_key_values: Cache | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    attentions: tuple[torch.FloatTensor, ...] | None = None
+
+
+class CausalQwenNumericEmbedding(nn.Module):
+    """e = embed(id) + 1[id = <NUM>]·d_num + sign(v)·ln(1 + |v|)·w_num.
+
+    φ(0) = 0, so positions without a number keep the backbone's own embedding. `d_num` is a learnable
+    offset because the `<NUM>` row of a frozen embedding cannot learn.
+    """
+
+    def __init__(self, config: CausalQwenConfig):
+        super().__init__()
+        self.num_token_id = config.num_token_id
+        self.w_num = nn.Parameter(torch.zeros(config.hidden_size))
+        self.d_num = nn.Parameter(torch.zeros(config.hidden_size))
+
+    def forward(
+        self, inputs_embeds: torch.Tensor, input_ids: torch.Tensor, numeric_values: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`inputs_embeds` `[B, S, H]`, `input_ids` and `numeric_values` `[B, S]` → `[B, S, H]`."""
+        is_num = (input_ids == self.num_token_id).unsqueeze(-1).to(inputs_embeds.dtype)
+        embeds = inputs_embeds + is_num * self.d_num.to(inputs_embeds.dtype)
+        if numeric_values is not None:
+            # symlog in float64 keeps the 16 significant digits of the tokenizer's values.
+            magnitude = cauchy.symlog(numeric_values.to(torch.float64)).to(inputs_embeds.dtype)
+            embeds = embeds + magnitude.unsqueeze(-1) * self.w_num.to(inputs_embeds.dtype)
+        return embeds
+
+
+class CausalQwenAbduction(nn.Module):
+    """Infer the individual U ~ Cauchy(loc_U, scale_U) from the backbone's features z.
+
+    loc_U = W_loc z + b_loc, scale_U = max(softplus(W_scale z + b_scale), scale_min).
+    """
+
+    def __init__(self, config: CausalQwenConfig):
+        super().__init__()
+        self.loc_net = nn.Linear(config.hidden_size, config.causal_size)
+        self.scale_net = nn.Linear(config.hidden_size, config.causal_size)
+        self.scale_min = config.scale_min
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[B, S, H]` → `(loc_U, scale_U)`, each `[B, S, C]`."""
+        loc = self.loc_net(hidden_states)
+        scale = nn.functional.softplus(self.scale_net(hidden_states)).clamp(min=self.scale_min)
+        return loc, scale
+
+
+class CausalQwenAction(nn.Module):
+    """Act on U: add exogenous noise, then decide every class (OvR) and regress the value.
+
+    scale_U' = scale_U + |b_noise|; (loc_S, scale_S) = (W_cls loc_U + b_cls, |W_cls| scale_U');
+    (loc_Y, scale_Y) = (w_reg·loc_U + b_reg, |w_reg|·scale_U'). P_k = P(S_k > C_k).
+    """
+
+    def __init__(self, config: CausalQwenConfig):
+        super().__init__()
+        self.cls_head = nn.Linear(config.causal_size, config.vocab_size, bias=True)
+        self.reg_head = nn.Linear(config.causal_size, 1) if config.use_numeric else None
+        self.b_noise = nn.Parameter(torch.zeros(config.causal_size))
+        threshold = torch.full((config.vocab_size,), float(config.ovr_threshold))
+        if config.learnable_threshold:
+            self.threshold = nn.Parameter(threshold)
+        else:
+            self.register_buffer("threshold", threshold, persistent=True)
+        self.scale_min = config.scale_min
+
+    def noisy_scale(self, scale_u: torch.Tensor) -> torch.Tensor:
+        """scale_U' = scale_U + |b_noise|: the noise is Cauchy, so its scale adds to U's."""
+        return scale_u + self.b_noise.abs().to(scale_u.dtype)
+
+    def classify(self, loc: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decision scores `(loc_S, scale_S)` `[..., V]` from a Cauchy input `[..., C]`."""
+        loc_s, scale_s = cauchy.linear(loc, scale, self.cls_head.weight, self.cls_head.bias)
+        return loc_s, scale_s.clamp(min=self.scale_min)
+
+    def regress(self, loc: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Regression output `(loc_Y, scale_Y)` `[...]` from a Cauchy input `[..., C]`."""
+        loc_y, scale_y = cauchy.linear(loc, scale, self.reg_head.weight, self.reg_head.bias)
+        return loc_y.squeeze(-1), scale_y.squeeze(-1).clamp(min=self.scale_min)
+
+    def forward(
+        self, loc_u: torch.Tensor, scale_u: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """`(loc_U, scale_U)` `[B, S, C]` → `loc_S, scale_S` `[B, S, V]` and `loc_Y, scale_Y` `[B, S]`."""
+        scale = self.noisy_scale(scale_u)
+        loc_s, scale_s = self.classify(loc_u, scale)
+        if self.reg_head is None:
+            return loc_s, scale_s, None, None
+        loc_y, scale_y = self.regress(loc_u, scale)
+        return loc_s, scale_s, loc_y, scale_y
+
+    def ovr_probability(self, loc_s: torch.Tensor, scale_s: torch.Tensor) -> torch.Tensor:
+        """P_k = P(S_k > C_k), `[..., V]`."""
+        return cauchy.ovr_probability(loc_s, scale_s, self.threshold.to(loc_s.dtype))
+
+
+def inverse_softplus(y: float) -> float:
+    """softplus⁻¹(y) = log(expm1(y)), written as y + log(−expm1(−y)) so that large y cannot overflow."""
+    return y + math.log(-math.expm1(-y))
+
+
+class CausalQwenPreTrainedModel(Qwen2PreTrainedModel):
+    config: CausalQwenConfig
+    config_class = CausalQwenConfig
+    _no_split_modules = ["Qwen2DecoderLayer"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Qwen2's initialisation, with the causal modules of DESIGN.md §3.
+
+        The two layers of the abduction network are plain `nn.Linear`s; they are recognised by identity and
+        set to the identity map and the constant scale γ0 *instead of* the generic Linear initialisation
+        (which would mark them initialised, and the helpers would then skip them). The helpers of
+        `transformers.initialization` leave tensors loaded from a checkpoint untouched.
+        """
+        config = self.config
+        abduction = getattr(self, "abduction", None)
+        if abduction is not None and module is abduction.loc_net:
+            init.eye_(module.weight)
+            init.zeros_(module.bias)
+        elif abduction is not None and module is abduction.scale_net:
+            init.zeros_(module.weight)
+            init.constant_(module.bias, inverse_softplus(config.abduction_scale_init))
+        elif isinstance(module, CausalQwenNumericEmbedding):
+            init.normal_(module.w_num, mean=0.0, std=config.initializer_range)
+            init.zeros_(module.d_num)
+        elif isinstance(module, CausalQwenAction):
+            init.constant_(module.b_noise, config.noise_init)
+            init.constant_(module.threshold, config.ovr_threshold)
+        else:
+            super()._init_weights(module)
+
+
+class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
+    """A drop-in for `Qwen2ForCausalLM` that reads numbers as values and decides with OvR Cauchy heads.
+
+    State-dict layout (a public contract): `model.*` is the Qwen2 backbone with Qwen2's key names;
+    `numeric_embedding.{w_num,d_num}`; `abduction.{loc_net,scale_net}`;
+    `action.{cls_head,reg_head,b_noise,threshold}`.
+    """
+
+    def __init__(self, config: CausalQwenConfig):
+        super().__init__(config)
+        if config.use_numeric and config.num_token_id is None:
+            raise ValueError("config.num_token_id is required when use_numeric=True (the id of <NUM>)")
+        self.model = Qwen2Model(config)
+        self.vocab_size = config.vocab_size
+        self.numeric_embedding = CausalQwenNumericEmbedding(config) if config.use_numeric else None
+        self.abduction = CausalQwenAbduction(config)
+        self.action = CausalQwenAction(config)
+        self.post_init()
+        self.model.requires_grad_(not config.freeze_backbone)
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.action.cls_head
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.action.cls_head = new_embeddings
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        numeric_values: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        numeric_labels: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalQwenOutput:
+        r"""
+        Args:
+            input_ids (`torch.LongTensor` of shape `(B, S)`): token ids, `<NUM>` where a number stands.
+            numeric_values (`torch.Tensor` of shape `(B, S)`, *optional*):
+                The value of each `<NUM>`, 0 elsewhere (float64 from the tokenizer keeps every digit).
+            labels (`torch.LongTensor` of shape `(B, S)`, *optional*):
+                Next-token targets, unshifted, −100 where no loss is wanted.
+            numeric_labels (`torch.Tensor` of shape `(B, S)`, *optional*):
+                True values read where a label is `<NUM>`; defaults to `numeric_values`.
+            logits_to_keep (`int` or `torch.Tensor`): compute the heads at these positions only
+                (`generate` passes 1). Ignored when `labels` is given.
+
+        Returns:
+            [`CausalQwenOutput`].
+        """
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        self._check_inputs(input_ids, numeric_values, inputs_embeds, labels, numeric_labels)
+
+        if inputs_embeds is None:
+            inputs_embeds = self.model.embed_tokens(input_ids)
+            if self.numeric_embedding is not None:
+                inputs_embeds = self.numeric_embedding(inputs_embeds, input_ids, numeric_values)
+
+        outputs = self.model(
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        if labels is None:
+            hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
+
+        loc_u, scale_u = self.abduction(hidden_states)
+        loc_s, scale_s, loc_y, scale_y = self.action(loc_u, scale_u)
+
+        losses = None
+        if labels is not None:
+            if numeric_labels is None:
+                numeric_labels = numeric_values
+            losses = causal_qwen_loss(
+                loc_s, scale_s, loc_y, scale_y, labels, numeric_labels,
+                threshold=self.action.threshold,
+                num_token_id=self.config.num_token_id if self.config.use_numeric else None,
+                gate_alpha=self.config.gate_alpha,
+                reg_loss_weight=self.config.reg_loss_weight,
+                detach_gate=self.config.detach_gate,
+                value_transform=self.config.value_transform,
+                num_items_in_batch=num_items_in_batch,
+            )
+
+        return CausalQwenOutput(
+            loss=losses.loss if losses is not None else None,
+            cls_loss=losses.cls_loss if losses is not None else None,
+            reg_loss=losses.reg_loss if losses is not None else None,
+            logits=loc_s,
+            loc_S=loc_s,
+            scale_S=scale_s,
+            loc_Y=loc_y,
+            scale_Y=scale_y,
+            loc_U=loc_u,
+            scale_U=scale_u,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+    def ovr_probabilities(self, loc_s: torch.Tensor, scale_s: torch.Tensor) -> torch.Tensor:
+        """P_k = P(S_k > C_k) for decision scores `[..., V]`."""
+        return self.action.ovr_probability(loc_s, scale_s)
+
+    def value_interval(
+        self, loc_y: torch.Tensor, scale_y: torch.Tensor, coverage: float = 0.9
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Median and central `coverage` interval of the predicted value, in value space.
+
+        Quantiles commute with the monotone `value_transform`, so these are exact.
+
+        Returns:
+            `(median, lower, upper)`, each of the shape of `loc_y`.
+        """
+        if not 0.0 < coverage < 1.0:
+            raise ValueError(f"coverage must lie in (0, 1), got {coverage}")
+        tail = (1.0 - coverage) / 2.0
+        bounds = (loc_y, cauchy.quantile(loc_y, scale_y, tail), cauchy.quantile(loc_y, scale_y, 1.0 - tail))
+        return tuple(self.to_value(b) for b in bounds)
+
+    def to_value(self, y: torch.Tensor) -> torch.Tensor:
+        """Map a point of the regression head's space back to a value (the inverse of `value_transform`)."""
+        return cauchy.symexp(y) if self.config.value_transform == "symlog" else y
+
+    def _check_inputs(
+        self,
+        input_ids: torch.Tensor | None,
+        numeric_values: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        numeric_labels: torch.Tensor | None,
+    ) -> None:
+        """Reject inputs that would otherwise give a silent wrong result or a failure deep inside torch."""
+        vocab = self.config.vocab_size
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids and inputs_embeds")
+        if input_ids is not None:
+            _check_ids("input_ids", input_ids, vocab, allow_ignore=False)
+        if numeric_values is not None:
+            if input_ids is None:
+                raise ValueError("numeric_values needs input_ids (the <NUM> positions); got inputs_embeds")
+            _check_values("numeric_values", numeric_values, input_ids.shape)
+            if self.numeric_embedding is None and bool((numeric_values != 0).any()):
+                raise ValueError("numeric_values holds numbers but this model has use_numeric=False")
+        if labels is not None:
+            reference = input_ids if input_ids is not None else inputs_embeds[..., 0]
+            if labels.shape != reference.shape:
+                raise ValueError(f"labels must have shape {tuple(reference.shape)}, got {tuple(labels.shape)}")
+            _check_ids("labels", labels, vocab, allow_ignore=True)
+            if numeric_labels is not None:
+                _check_values("numeric_labels", numeric_labels, labels.shape)
+            elif numeric_values is None and self.config.use_numeric and bool(
+                (labels == self.config.num_token_id).any()
+            ):
+                raise ValueError("labels contain <NUM> but neither numeric_labels nor numeric_values was given")
+
+    @classmethod
+    def from_qwen(
+        cls,
+        model_or_path: Qwen2ForCausalLM | str | os.PathLike,
+        tokenizer=None,
+        *,
+        dtype: torch.dtype | str | None = None,
+        **config_overrides,
+    ) -> CausalQwenForCausalLM:
+        """Build a CausalQwen from a Qwen2 causal LM, initialised as in DESIGN.md §3.
+
+        The backbone is copied unchanged, the abduction network is the identity with scale γ0, the
+        classification head is a copy of Qwen's `lm_head` (untied) with zero bias, so `loc_S` equals
+        Qwen's logits; `w_num` is drawn with the standard deviation of the embedding matrix.
+
+        Args:
+            model_or_path: a `Qwen2ForCausalLM`, a local checkpoint folder, or a hub id.
+            tokenizer: gives the `<NUM>` id (`tokenizer.num_token_id`, else `len(tokenizer)`); when
+                omitted, the tokenizer saved beside a checkpoint folder is used.
+            dtype: dtype to load a checkpoint in (default float32); an object keeps its own dtype.
+            **config_overrides: any field of [`CausalQwenConfig`], e.g. `num_token_id`, `ovr_threshold`.
+        """
+        source = _load_qwen(model_or_path, dtype)
+        use_numeric = config_overrides.get("use_numeric", True)
+        num_token_id = config_overrides.pop("num_token_id", None)
+        token_source = model_or_path if isinstance(model_or_path, (str, os.PathLike)) else None
+        if use_numeric:
+            num_token_id = _resolve_num_token_id(num_token_id, tokenizer, token_source)
+        base_vocab = source.config.vocab_size
+        if num_token_id is not None and num_token_id > base_vocab:
+            raise ValueError(
+                f"num_token_id {num_token_id} is beyond the vocabulary ({base_vocab} rows): the tokenizer does "
+                "not match this checkpoint"
+            )
+        vocab_size = base_vocab + 1 if num_token_id == base_vocab else base_vocab
+
+        config = _causal_config_from(source.config, vocab_size=vocab_size, num_token_id=num_token_id,
+                                     overrides=config_overrides)
+        with torch.device(source.device):
+            model = cls(config).to(source.dtype)
+        _copy_qwen_weights(source, model, base_vocab)
+        model.generation_config = copy.deepcopy(source.generation_config)
+        return model
+
+
+def _check_ids(name: str, ids: torch.Tensor, vocab_size: int, allow_ignore: bool) -> None:
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
+    if ids.numel() == 0:
+        return
+    checked = ids[ids != IGNORE_INDEX] if allow_ignore else ids
+    if checked.numel() and (int(checked.min()) < 0 or int(checked.max()) >= vocab_size):
+        raise ValueError(
+            f"{name} holds ids outside the vocabulary [0, {vocab_size}): min {int(checked.min())}, "
+            f"max {int(checked.max())}"
+        )
+
+
+def _check_values(name: str, values: torch.Tensor, shape: torch.Size) -> None:
+    if not isinstance(values, torch.Tensor) or not values.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor, got {getattr(values, 'dtype', type(values))}")
+    if values.shape != shape:
+        raise ValueError(f"{name} must have the shape of the ids {tuple(shape)}, got {tuple(values.shape)}")
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError(f"{name} must be finite (no NaN or inf)")
+
+
+def _load_qwen(model_or_path, dtype) -> Qwen2ForCausalLM:
+    if isinstance(model_or_path, Qwen2ForCausalLM):
+        return model_or_path
+    if isinstance(model_or_path, (str, os.PathLike)):
+        return Qwen2ForCausalLM.from_pretrained(model_or_path, dtype=dtype or torch.float32)
+    raise TypeError(
+        f"model_or_path must be a Qwen2ForCausalLM, a folder or a hub id, got {type(model_or_path).__name__}"
+    )
+
+
+def _resolve_num_token_id(num_token_id: int | None, tokenizer, token_source) -> int:
+    """The `<NUM>` id: the override, else the tokenizer's (given, or saved beside the checkpoint)."""
+    if tokenizer is None and token_source is not None:
+        tokenizer = _load_tokenizer_beside(token_source)
+    from_tokenizer = None
+    if tokenizer is not None:
+        from_tokenizer = getattr(tokenizer, "num_token_id", None)
+        if from_tokenizer is None:
+            from_tokenizer = len(tokenizer)
+    if num_token_id is None and from_tokenizer is None:
+        raise ValueError(
+            "Cannot tell the <NUM> id: pass tokenizer= (its length gives the first spare row) or num_token_id="
+        )
+    if num_token_id is not None and from_tokenizer is not None and num_token_id != from_tokenizer:
+        raise ValueError(f"num_token_id={num_token_id} disagrees with the tokenizer's <NUM> id {from_tokenizer}")
+    return num_token_id if num_token_id is not None else from_tokenizer
+
+
+def _load_tokenizer_beside(path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+
+
+def _causal_config_from(qwen_config, *, vocab_size: int, num_token_id: int | None, overrides: dict):
+    fields = qwen_config.to_dict()
+    for key in ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path",
+                "tie_word_embeddings", "vocab_size", "num_token_id"):
+        fields.pop(key, None)
+    fields.update(overrides)
+    return CausalQwenConfig(**fields, vocab_size=vocab_size, num_token_id=num_token_id, tie_word_embeddings=False,
+                            architectures=["CausalQwenForCausalLM"])
+
+
+@torch.no_grad()
+def _copy_qwen_weights(source: Qwen2ForCausalLM, model: CausalQwenForCausalLM, base_vocab: int) -> None:
+    """Backbone unchanged, lm_head → cls_head (a separate copy); a grown `<NUM>` row starts at zero."""
+    state = source.model.state_dict()
+    embed_key = "embed_tokens.weight"
+    if model.config.vocab_size != base_vocab:
+        grown = torch.zeros_like(model.model.embed_tokens.weight)
+        grown[:base_vocab] = state[embed_key]
+        state = {**state, embed_key: grown}
+    model.model.load_state_dict(state)
+    model.action.cls_head.weight.zero_()
+    model.action.cls_head.weight[:base_vocab] = source.lm_head.weight
+    model.action.cls_head.bias.zero_()
+    if model.numeric_embedding is not None:
+        std = source.model.embed_tokens.weight.float().std().item()
+        model.numeric_embedding.w_num.normal_(0.0, std)
