@@ -29,3 +29,24 @@ def qwen25_dir() -> Path:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+def tiny_qwen2_config(vocab_size: int = 128, **overrides):
+    """A Qwen2 small enough for unit tests, with every architectural feature of the real one."""
+    from transformers import Qwen2Config
+
+    fields = dict(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+    )
+    fields.update(overrides)
+    return Qwen2Config(**fields)
+
+
+@pytest.fixture
+def tiny_qwen():
+    """A randomly initialised tiny Qwen2ForCausalLM in eval mode (vocab 128; ids ≥ 120 are spare rows)."""
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(tiny_qwen2_config()).eval()

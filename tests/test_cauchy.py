@@ -1,0 +1,90 @@
+"""The Cauchy ops against textbook formulas evaluated in float64 and against torch.distributions."""
+
+import math
+
+import pytest
+import torch
+
+from causal_qwen import cauchy
+
+
+def test_linear_matches_sampled_sum_distribution():
+    torch.manual_seed(1)
+    loc, scale = torch.randn(3, 5, dtype=torch.float64), torch.rand(3, 5, dtype=torch.float64) + 0.1
+    weight, bias = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    out_loc, out_scale = cauchy.linear(loc, scale, weight, bias)
+    expected_loc = torch.stack([(weight[j] * loc).sum(-1) + bias[j] for j in range(4)], -1)
+    expected_scale = torch.stack([(weight[j].abs() * scale).sum(-1) for j in range(4)], -1)
+    torch.testing.assert_close(out_loc, expected_loc)
+    torch.testing.assert_close(out_scale, expected_scale)
+
+
+def test_cdf_and_ovr_probability_match_torch_distributions():
+    loc = torch.tensor([-3.0, 0.0, 2.0, 50.0], dtype=torch.float64)
+    scale = torch.tensor([0.5, 1.0, 2.0, 1e-3], dtype=torch.float64)
+    threshold = 1.5
+    reference = torch.distributions.Cauchy(loc, scale)
+    torch.testing.assert_close(cauchy.cdf(torch.tensor(threshold, dtype=torch.float64), loc, scale),
+                               reference.cdf(torch.tensor(threshold, dtype=torch.float64)))
+    textbook = 0.5 + torch.atan((loc - threshold) / scale) / math.pi
+    torch.testing.assert_close(cauchy.ovr_probability(loc, scale, threshold), textbook)
+
+
+def test_ovr_log_probs_accurate_in_fp32_at_both_ends():
+    loc = torch.tensor([-1e4, -30.0, 14.9, 15.0, 15.1, 40.0, 1e4])
+    scale = torch.full_like(loc, 1e-3)
+    log_p, log_q = cauchy.ovr_log_probs(loc, scale, 15.0)
+    p64 = 0.5 + torch.atan((loc.double() - 15.0) / scale.double()) / math.pi
+    # float64 references: log of the small side computed from the angle directly.
+    ref_log_p = torch.log(torch.atan2(scale.double(), 15.0 - loc.double()) / math.pi)
+    ref_log_q = torch.log(torch.atan2(scale.double(), loc.double() - 15.0) / math.pi)
+    torch.testing.assert_close(log_p.double(), ref_log_p, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(log_q.double(), ref_log_q, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(log_p.exp().double() + log_q.exp().double(), torch.ones_like(p64), atol=1e-6)
+
+
+def test_nll_matches_torch_and_stays_finite_for_huge_values():
+    value = torch.tensor([0.3, -2.0, 7.5], dtype=torch.float64)
+    loc = torch.tensor([0.0, 1.0, -1.0], dtype=torch.float64)
+    scale = torch.tensor([1.0, 0.5, 3.0], dtype=torch.float64)
+    torch.testing.assert_close(cauchy.nll(value, loc, scale), -torch.distributions.Cauchy(loc, scale).log_prob(value))
+
+    huge = torch.tensor([1e30, -1e30, 3e38], requires_grad=True)
+    out = cauchy.nll(huge, torch.zeros(3), torch.full((3,), 1e-6))
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(huge.grad).all()
+    expected = math.log(math.pi * 1e-6) + 2 * (math.log(1e30) - math.log(1e-6))
+    assert out[0].item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_quantile_inverts_cdf_and_sample_is_reproducible():
+    loc, scale = torch.tensor([2.0]), torch.tensor([0.5])
+    for p in (0.05, 0.25, 0.5, 0.9):
+        q = cauchy.quantile(loc, scale, p)
+        assert cauchy.cdf(q, loc, scale).item() == pytest.approx(p, abs=1e-6)
+    with pytest.raises(ValueError, match="p must"):
+        cauchy.quantile(loc, scale, 1.0)
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    a = cauchy.sample(torch.zeros(10000), torch.ones(10000), generator=g1)
+    torch.testing.assert_close(a, cauchy.sample(torch.zeros(10000), torch.ones(10000), generator=g2))
+    # The sample median and quartiles of a standard Cauchy are 0 and ±1.
+    assert abs(a.median().item()) < 0.05
+    assert a.quantile(0.75).item() == pytest.approx(1.0, abs=0.08)
+
+
+def test_kl_divergence_closed_form():
+    mu1, g1, mu2, g2 = torch.tensor(0.3), torch.tensor(1.2), torch.tensor(-0.4), torch.tensor(0.7)
+    expected = math.log(((1.2 + 0.7) ** 2 + 0.7**2) / (4 * 1.2 * 0.7))
+    assert cauchy.kl_divergence(mu1, g1, mu2, g2).item() == pytest.approx(expected, rel=1e-6)
+    assert cauchy.kl_divergence(mu1, g1, mu1, g1).item() == pytest.approx(0.0, abs=1e-7)
+    # Monte Carlo check of the closed form: E_p[log p(x) − log q(x)].
+    torch.manual_seed(0)
+    p, q = torch.distributions.Cauchy(mu1.double(), g1.double()), torch.distributions.Cauchy(mu2.double(), g2.double())
+    x = p.sample((400000,))
+    assert (p.log_prob(x) - q.log_prob(x)).mean().item() == pytest.approx(expected, rel=0.03)
+
+
+def test_symlog_roundtrip():
+    v = torch.tensor([-1e6, -2.5, 0.0, 0.5, 123.0], dtype=torch.float64)
+    torch.testing.assert_close(cauchy.symexp(cauchy.symlog(v)), v)
+    assert cauchy.symlog(torch.tensor(0.0)).item() == 0.0

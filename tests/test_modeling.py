@@ -1,0 +1,314 @@
+"""CausalQwenForCausalLM against the Qwen2 it is built from and against its own formulas."""
+
+import math
+import shutil
+
+import pytest
+import torch
+from conftest import tiny_qwen2_config
+from test_loss import reference_loss
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen2ForCausalLM
+
+from causal_qwen import CausalQwenConfig, CausalQwenForCausalLM, CausalQwenOutput
+
+NUM = 120
+
+
+def build(tiny_qwen, **overrides):
+    return CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM, **overrides).eval()
+
+
+def randomize_heads(model, seed=0):
+    """Move every causal parameter away from its initial value so that formulas are really exercised."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.startswith("model."):
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        model.action.b_noise.mul_(10.0)
+
+
+def test_output_dataclass_and_logits_alias(tiny_qwen):
+    model = build(tiny_qwen)
+    out = model(torch.randint(0, 100, (2, 5)))
+    assert isinstance(out, CausalQwenOutput)
+    assert out.logits is out.loc_S
+    assert out.loc_S.shape == out.scale_S.shape == (2, 5, 128)
+    assert out.loc_Y.shape == out.scale_Y.shape == (2, 5)
+    assert out.loc_U.shape == out.scale_U.shape == (2, 5, 32)
+
+
+def test_init_reproduces_qwen_from_object(tiny_qwen):
+    model = build(tiny_qwen)
+    ids = torch.randint(0, 100, (3, 9))
+    with torch.no_grad():
+        qwen = tiny_qwen(ids, output_hidden_states=True)
+        out = model(ids)
+    assert (out.loc_S - qwen.logits).abs().max().item() <= 1e-5
+    assert (out.loc_U - qwen.hidden_states[-1]).abs().max().item() <= 1e-5
+    torch.testing.assert_close(out.scale_U, torch.full_like(out.scale_U, model.config.abduction_scale_init))
+    # The head is a separate copy: training it must not move the input embedding.
+    cls_weight = model.get_output_embeddings().weight
+    assert cls_weight is model.action.cls_head.weight
+    assert cls_weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+
+
+def test_init_reproduces_qwen_from_saved_dir_with_real_tokenizer(tmp_path, qwen25_dir):
+    torch.manual_seed(0)
+    qwen = Qwen2ForCausalLM(tiny_qwen2_config(vocab_size=151936)).eval()
+    qwen.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+        shutil.copy(qwen25_dir / name, tmp_path / name)
+    model = CausalQwenForCausalLM.from_qwen(tmp_path).eval()
+    assert model.config.num_token_id == 151665  # len(tokenizer): the first spare row
+    assert model.config.vocab_size == 151936
+    ids = torch.tensor([[9707, 1879, 11, 151643, 100]])
+    with torch.no_grad():
+        reference = qwen(ids, output_hidden_states=True)
+        out = model(ids)
+    assert (out.loc_S - reference.logits).abs().max().item() <= 1e-5
+    assert (out.loc_U - reference.hidden_states[-1]).abs().max().item() <= 1e-5
+
+
+def test_num_token_id_resolution_and_growth(tiny_qwen):
+    class FakeTokenizer:
+        def __init__(self, n):
+            self.n = n
+
+        def __len__(self):
+            return self.n
+
+    model = CausalQwenForCausalLM.from_qwen(tiny_qwen, tokenizer=FakeTokenizer(121))
+    assert model.config.num_token_id == 121 and model.config.vocab_size == 128
+    # No spare row: the embedding and the head grow by one, Qwen's rows unchanged.
+    grown = CausalQwenForCausalLM.from_qwen(tiny_qwen, tokenizer=FakeTokenizer(128)).eval()
+    assert grown.config.num_token_id == 128 and grown.config.vocab_size == 129
+    ids = torch.randint(0, 128, (1, 6))
+    with torch.no_grad():
+        assert (grown(ids).loc_S[..., :128] - tiny_qwen(ids).logits).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="tokenizer= .*or num_token_id"):
+        CausalQwenForCausalLM.from_qwen(tiny_qwen)
+    with pytest.raises(ValueError, match="disagrees"):
+        CausalQwenForCausalLM.from_qwen(tiny_qwen, tokenizer=FakeTokenizer(121), num_token_id=122)
+    with pytest.raises(ValueError, match="beyond the vocabulary"):
+        CausalQwenForCausalLM.from_qwen(tiny_qwen, tokenizer=FakeTokenizer(140))
+    with pytest.raises(TypeError, match="model_or_path"):
+        CausalQwenForCausalLM.from_qwen(42, num_token_id=NUM)
+    text_only = CausalQwenForCausalLM.from_qwen(tiny_qwen, use_numeric=False)
+    assert text_only.numeric_embedding is None and text_only.action.reg_head is None
+
+
+def test_w_num_drawn_with_the_embedding_std(tiny_qwen):
+    with torch.no_grad():
+        tiny_qwen.model.embed_tokens.weight.mul_(7.0)
+    model = build(tiny_qwen)
+    expected = tiny_qwen.model.embed_tokens.weight.std().item()
+    # 32 draws: the sample std is within a factor 2 of the target with overwhelming probability.
+    assert 0.5 * expected < model.numeric_embedding.w_num.std().item() < 2.0 * expected
+    assert model.numeric_embedding.d_num.abs().max().item() == 0.0
+
+
+def test_heads_equal_their_formulas(tiny_qwen):
+    model = build(tiny_qwen)
+    randomize_heads(model)
+    ids = torch.randint(0, 100, (2, 6))
+    with torch.no_grad():
+        out = model(ids)
+        z = tiny_qwen.model(ids).last_hidden_state.double()
+    a, act = model.abduction, model.action
+    loc_u = z @ a.loc_net.weight.double().T + a.loc_net.bias.double()
+    scale_u = torch.log1p(torch.exp(z @ a.scale_net.weight.double().T + a.scale_net.bias.double()))
+    scale_u_noisy = scale_u + act.b_noise.double().abs()
+    w_cls, w_reg = act.cls_head.weight.double(), act.reg_head.weight.double()[0]
+    loc_s = loc_u @ w_cls.T + act.cls_head.bias.double()
+    scale_s = scale_u_noisy @ w_cls.abs().T
+    loc_y = loc_u @ w_reg + act.reg_head.bias.double()
+    scale_y = scale_u_noisy @ w_reg.abs()
+    for got, want in [(out.loc_U, loc_u), (out.scale_U, scale_u), (out.loc_S, loc_s), (out.scale_S, scale_s),
+                      (out.loc_Y, loc_y), (out.scale_Y, scale_y)]:
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    p = model.ovr_probabilities(out.loc_S, out.scale_S)
+    torch.testing.assert_close(p.double(), 0.5 + torch.atan((loc_s - 15.0) / scale_s) / math.pi, rtol=1e-4, atol=1e-6)
+
+
+def test_scale_floor(tiny_qwen):
+    model = build(tiny_qwen, abduction_scale_init=1e-9, noise_init=0.0, scale_min=1e-3)
+    out = model(torch.randint(0, 100, (1, 4)))
+    assert out.scale_U.min().item() >= 1e-3 and out.scale_S.min().item() >= 1e-3
+    assert out.scale_Y.min().item() >= 1e-3
+
+
+def test_numbers_change_only_positions_at_and_after_them(tiny_qwen):
+    model = build(tiny_qwen)
+    ids = torch.randint(0, 100, (1, 8))
+    ids[0, 4] = NUM
+    zeros = torch.zeros(1, 8, dtype=torch.float64)
+    with torch.no_grad():
+        plain = model(ids)
+        explicit_zero = model(ids, numeric_values=zeros)
+        values = zeros.clone()
+        values[0, 4] = 1234.5
+        with_number = model(ids, numeric_values=values)
+    torch.testing.assert_close(explicit_zero.loc_S, plain.loc_S)  # φ(0) = 0
+    diff = (with_number.loc_S - plain.loc_S).abs().amax(-1)[0]
+    assert diff[:4].max().item() == 0.0
+    assert (diff[4:] > 1e-4).all()
+    phi = model.numeric_embedding(torch.zeros(1, 1, 32), torch.tensor([[5]]), torch.tensor([[0.0]]))
+    assert phi.abs().max().item() == 0.0
+
+
+def test_loss_through_the_model_equals_reference(tiny_qwen):
+    model = build(tiny_qwen, gate_alpha=0.2, reg_loss_weight=0.7, ovr_threshold=0.5, value_transform="identity",
+                  abduction_scale_init=0.5)
+    randomize_heads(model)
+    ids = torch.randint(0, 100, (2, 7))
+    ids[0, 3], ids[1, 5] = NUM, NUM
+    values = torch.zeros(2, 7, dtype=torch.float64)
+    values[0, 3], values[1, 5] = 2.5, -0.75
+    labels = ids.clone()
+    labels[1, :2] = -100
+    out = model(ids, numeric_values=values, labels=labels)
+    with torch.no_grad():
+        full = model(ids, numeric_values=values)
+    ref = reference_loss(full.loc_S.double(), full.scale_S.double(), full.loc_Y.double(), full.scale_Y.double(),
+                         labels, values, 0.5, 0.2, 0.7, True, "identity", vocab=128, num=NUM)
+    for got, want in zip((out.loss, out.cls_loss, out.reg_loss), ref, strict=False):
+        assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    assert out.reg_loss.item() != 0.0
+
+
+def test_frozen_backbone_gets_no_gradient(tiny_qwen):
+    model = build(tiny_qwen).train()
+    ids = torch.randint(0, 100, (2, 6))
+    ids[:, 2] = NUM
+    values = torch.zeros(2, 6, dtype=torch.float64)
+    values[:, 2] = 3.0
+    model(ids, numeric_values=values, labels=ids).loss.backward()
+    assert all(p.grad is None for p in model.model.parameters())
+    assert model.numeric_embedding.w_num.grad is not None and model.numeric_embedding.w_num.grad.abs().sum() > 0
+    assert model.action.cls_head.weight.grad is not None
+    unfrozen = build(tiny_qwen, freeze_backbone=False).train()
+    unfrozen(ids, numeric_values=values, labels=ids).loss.backward()
+    assert unfrozen.model.embed_tokens.weight.grad is not None
+
+
+def test_learnable_threshold_is_a_parameter(tiny_qwen):
+    model = build(tiny_qwen, learnable_threshold=True, ovr_threshold=3.0)
+    assert isinstance(model.action.threshold, torch.nn.Parameter)
+    assert model.action.threshold.shape == (128,) and model.action.threshold.eq(3.0).all()
+    ids = torch.randint(0, 100, (1, 5))
+    model(ids, labels=ids).loss.backward()
+    assert model.action.threshold.grad.abs().sum() > 0
+    assert "action.threshold" in dict(build(tiny_qwen).named_buffers())
+
+
+@pytest.mark.parametrize("learnable", [False, True])
+def test_save_load_and_auto_roundtrip(tmp_path, tiny_qwen, learnable):
+    model = build(tiny_qwen, learnable_threshold=learnable)
+    randomize_heads(model)
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    assert AutoConfig.from_pretrained(tmp_path).model_type == "causal_qwen"
+    ids = torch.randint(0, 100, (2, 6))
+    ids[0, 1] = NUM
+    values = torch.zeros(2, 6, dtype=torch.float64)
+    values[0, 1] = -42.0
+    with torch.no_grad():
+        expected = model(ids, numeric_values=values)
+    for loader in (CausalQwenForCausalLM, AutoModelForCausalLM):
+        loaded = loader.from_pretrained(tmp_path, dtype=torch.float32).eval()
+        assert isinstance(loaded, CausalQwenForCausalLM)
+        with torch.no_grad():
+            got = loaded(ids, numeric_values=values)
+        for name in ("loc_S", "scale_S", "loc_Y", "scale_Y", "loc_U", "scale_U"):
+            assert torch.equal(getattr(got, name), getattr(expected, name)), name
+    keys = set(CausalQwenForCausalLM.from_pretrained(tmp_path).state_dict())
+    assert {"numeric_embedding.w_num", "abduction.loc_net.weight", "abduction.scale_net.weight",
+            "action.cls_head.weight", "action.reg_head.weight", "action.b_noise", "action.threshold"} <= keys
+    assert set(tiny_qwen.model.state_dict()) == {k[len("model."):] for k in keys if k.startswith("model.")}
+
+
+def test_fresh_model_from_config_starts_at_identity_abduction():
+    config = CausalQwenConfig(**tiny_qwen2_config().to_dict() | {"num_token_id": NUM, "tie_word_embeddings": False})
+    model = CausalQwenForCausalLM(config)
+    torch.testing.assert_close(model.abduction.loc_net.weight, torch.eye(32))
+    assert model.abduction.scale_net.weight.abs().max().item() == 0.0
+    softplus_bias = torch.nn.functional.softplus(model.abduction.scale_net.bias)
+    torch.testing.assert_close(softplus_bias, torch.full((32,), config.abduction_scale_init))
+    torch.testing.assert_close(model.action.b_noise, torch.full((32,), config.noise_init))
+
+
+def test_value_interval_is_exact_under_symlog(tiny_qwen):
+    model = build(tiny_qwen, value_transform="symlog")
+    loc_y, scale_y = torch.tensor([2.0]), torch.tensor([0.3])
+    median, low, high = model.value_interval(loc_y, scale_y, coverage=0.5)
+    assert median.item() == pytest.approx(math.expm1(2.0))
+    assert low.item() == pytest.approx(math.expm1(2.0 - 0.3)) and high.item() == pytest.approx(math.expm1(2.3))
+    with pytest.raises(ValueError, match="coverage"):
+        model.value_interval(loc_y, scale_y, coverage=1.5)
+
+
+def test_bad_inputs_raise_naming_the_argument(tiny_qwen):
+    model = build(tiny_qwen)
+    ids = torch.randint(0, 100, (2, 5))
+    with pytest.raises(ValueError, match="numeric_values"):
+        model(ids, numeric_values=torch.zeros(2, 4, dtype=torch.float64))
+    bad = torch.zeros(2, 5, dtype=torch.float64)
+    bad[0, 1] = float("nan")
+    with pytest.raises(ValueError, match="numeric_values"):
+        model(ids, numeric_values=bad)
+    bad[0, 1] = float("inf")
+    with pytest.raises(ValueError, match="numeric_values"):
+        model(ids, numeric_values=bad)
+    with pytest.raises(TypeError, match="numeric_values"):
+        model(ids, numeric_values=torch.zeros(2, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="input_ids"):
+        model(torch.tensor([[1, 128]]))
+    with pytest.raises(ValueError, match="input_ids"):
+        model(torch.tensor([[-1, 3]]))
+    with pytest.raises(TypeError, match="input_ids"):
+        model(torch.zeros(1, 3))
+    with pytest.raises(ValueError, match="labels"):
+        model(ids, labels=torch.full((2, 5), 500))
+    with pytest.raises(ValueError, match="labels"):
+        model(ids, labels=ids[:, :4])
+    with_num = ids.clone()
+    with_num[0, 2] = NUM
+    with pytest.raises(ValueError, match="numeric_labels"):
+        model(with_num, labels=with_num)
+    with pytest.raises(ValueError, match="numeric_labels"):
+        model(with_num, labels=with_num, numeric_labels=torch.zeros(2, 3))
+    text_only = CausalQwenForCausalLM.from_qwen(tiny_qwen, use_numeric=False)
+    with pytest.raises(ValueError, match="use_numeric=False"):
+        text_only(ids, numeric_values=torch.ones(2, 5))
+
+
+@pytest.mark.parametrize("field,value,kind", [
+    ("num_token_id", 128, ValueError), ("num_token_id", -1, ValueError), ("abduction_scale_init", 0.0, ValueError),
+    ("noise_init", -1.0, ValueError), ("scale_min", float("nan"), ValueError), ("gate_alpha", 1.5, ValueError),
+    ("value_transform", "log", ValueError), ("causal_size", 16, ValueError), ("ovr_threshold", "high", TypeError),
+])
+def test_config_rejects_bad_fields(field, value, kind):
+    fields = tiny_qwen2_config().to_dict() | {"num_token_id": NUM, field: value}
+    with pytest.raises(kind, match=field):
+        CausalQwenConfig(**fields)
+
+
+def test_model_requires_num_token_id_when_numeric():
+    config = CausalQwenConfig(**tiny_qwen2_config().to_dict())
+    with pytest.raises(ValueError, match="num_token_id"):
+        CausalQwenForCausalLM(config)
+
+
+@pytest.mark.slow
+def test_real_qwen25_init_matches_qwen(qwen25_dir):
+    qwen = Qwen2ForCausalLM.from_pretrained(qwen25_dir, dtype=torch.float32).eval()
+    model = CausalQwenForCausalLM.from_qwen(qwen25_dir).eval()
+    assert model.config.num_token_id == 151665
+    ids = torch.tensor([[9707, 1879, 11, 279, 3349, 374, 220, 24, 24, 13, 24]])
+    with torch.no_grad():
+        reference = qwen(ids, output_hidden_states=True)
+        out = model(ids)
+    assert (out.loc_S - reference.logits).abs().max().item() <= 1e-5
+    assert (out.loc_U - reference.hidden_states[-1]).abs().max().item() <= 1e-5
+    assert torch.isfinite(out.scale_S).all() and torch.isfinite(out.loc_Y).all()
