@@ -23,6 +23,7 @@ from transformers.utils import ModelOutput, can_return_tuple
 
 from . import cauchy
 from .configuration import CausalQwenConfig
+from .generation import CausalGenerationState, CausalQwenGenerateOutput, check_generation_options, global_rng_from
 from .loss import IGNORE_INDEX, causal_qwen_loss
 
 __all__ = ["CausalQwenOutput", "CausalQwenPreTrainedModel", "CausalQwenForCausalLM"]
@@ -239,6 +240,7 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
         numeric_labels: torch.Tensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        generation_state: CausalGenerationState | None = None,
         **kwargs,
     ) -> CausalQwenOutput:
         r"""
@@ -252,6 +254,9 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
                 True values read where a label is `<NUM>`; defaults to `numeric_values`.
             logits_to_keep (`int` or `torch.Tensor`): compute the heads at these positions only
                 (`generate` passes 1). Ignored when `labels` is given.
+            generation_state (`CausalGenerationState`, *optional*): set by `generate`; the heads then run
+                at the last position only, in the generation mode, and `logits` holds that mode's
+                decision scores.
 
         Returns:
             [`CausalQwenOutput`].
@@ -277,6 +282,14 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
             hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
 
         loc_u, scale_u = self.abduction(hidden_states)
+        if generation_state is not None:
+            step = generation_state.decide(self.action, loc_u, scale_u)
+            return CausalQwenOutput(
+                logits=step["logits"], loc_S=step["loc_S"], scale_S=step["scale_S"], loc_Y=step["loc_Y"],
+                scale_Y=step["scale_Y"], loc_U=loc_u[:, -1:], scale_U=scale_u[:, -1:],
+                past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
+                attentions=outputs.attentions,
+            )
         loc_s, scale_s, loc_y, scale_y = self.action(loc_u, scale_u)
 
         losses = None
@@ -309,6 +322,86 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        numeric_values: torch.Tensor | None = None,
+        generation_state: CausalGenerationState | None = None,
+        **kwargs,
+    ) -> dict:
+        """Qwen2's preparation, plus the `numeric_values` of the ids this step feeds to the model."""
+        model_inputs = super().prepare_inputs_for_generation(input_ids, **kwargs)
+        if generation_state is not None:
+            model_inputs["generation_state"] = generation_state
+            numeric_values = generation_state.sync(input_ids, numeric_values)
+        fed = model_inputs.get("input_ids")
+        if numeric_values is not None and fed is not None:
+            model_inputs["numeric_values"] = numeric_values[:, -fed.shape[1]:]
+        return model_inputs
+
+    @torch.no_grad()
+    def generate(
+        self,
+        inputs: torch.Tensor | None = None,
+        generation_config=None,
+        *,
+        numeric_values: torch.Tensor | None = None,
+        mode: str = "standard",
+        shared_individual: bool = False,
+        shared_noise: bool = False,
+        generator: torch.Generator | None = None,
+        output_value_scores: bool = False,
+        **kwargs,
+    ) -> torch.LongTensor | CausalQwenGenerateOutput:
+        r"""
+        Generate with transformers' loop in one of the modes of DESIGN.md §5.
+
+        Args:
+            inputs (`torch.LongTensor` of shape `(B, S)`): the prompt ids (left-padded for batches).
+            numeric_values (`torch.Tensor` of shape `(B, S)`, *optional*): the prompt's numbers.
+            mode (`str`, defaults to `"standard"`):
+                `"standard"`: argmax of the OvR probabilities; numbers are the median `loc_Y`.
+                `"causal"`: sample the individual u = loc_U + scale_U·tan(π(ε − ½)) and decide under the
+                noise alone; a fresh ε every step, or one per sequence with `shared_individual=True`.
+                `"traditional"`: softmax over `loc_S` with the usual `do_sample`, `temperature`, `top_k`,
+                `top_p`; greedy when `do_sample=False`, exactly as Qwen2.
+            shared_individual (`bool`): `causal` mode only.
+            shared_noise (`bool`): `standard` mode only; one ε_noise ~ Cauchy(0, 1) per sequence shifts U.
+            generator (`torch.Generator`, *optional*): drives every random draw (ε is drawn as
+                `torch.rand(B, C)` from it), so a seed reproduces a generation.
+            output_value_scores (`bool`): with `return_dict_in_generate=True`, also return the per-step
+                `loc_Y` and `scale_Y`.
+            **kwargs: everything `GenerationMixin.generate` takes (`attention_mask`, `max_new_tokens`,
+                `eos_token_id`, `streamer`, `return_dict_in_generate`, ...).
+
+        Returns:
+            The ids `(B, L)` as Qwen2 returns them, or with `return_dict_in_generate=True` a
+            [`CausalQwenGenerateOutput`] that also carries `numeric_values` `(B, L)`.
+        """
+        check_generation_options(mode, shared_individual, shared_noise, kwargs.get("do_sample"))
+        if kwargs.get("num_beams", 1) > 1 or (generation_config is not None and generation_config.num_beams > 1):
+            raise ValueError("num_beams > 1 is not supported: beams would reorder the numbers of each sequence")
+        if mode != "traditional":
+            kwargs["do_sample"] = False
+        config = generation_config if generation_config is not None else self.generation_config
+        return_dict = kwargs.pop("return_dict_in_generate", config.return_dict_in_generate)
+        state = CausalGenerationState(
+            mode, shared_individual=shared_individual, shared_noise=shared_noise, generator=generator,
+            num_token_id=self.config.num_token_id if self.config.use_numeric else None, to_value=self.to_value,
+        )
+        sampling_rng = global_rng_from(generator if mode == "traditional" else None)
+        with sampling_rng:
+            output = super().generate(
+                inputs, generation_config, numeric_values=numeric_values, generation_state=state,
+                return_dict_in_generate=True, **kwargs,
+            )
+        values, loc_y, scale_y = state.finish(output.sequences)
+        if not return_dict:
+            return output.sequences
+        if not output_value_scores:
+            loc_y = scale_y = None
+        return CausalQwenGenerateOutput(**output, numeric_values=values, loc_Y=loc_y, scale_Y=scale_y)
 
     def ovr_probabilities(self, loc_s: torch.Tensor, scale_s: torch.Tensor) -> torch.Tensor:
         """P_k = P(S_k > C_k) for decision scores `[..., V]`."""
