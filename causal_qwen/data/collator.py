@@ -1,0 +1,96 @@
+"""Batching text with numbers for causal language modelling."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..loss import IGNORE_INDEX
+
+__all__ = ["CausalQwenDataCollator"]
+
+
+@dataclass
+class CausalQwenDataCollator:
+    """Pad `input_ids`, `attention_mask`, `labels`, `numeric_values` and `numeric_labels` into one batch.
+
+    Each feature is a dict as the tokenizer returns it for one text (lists or 1-D tensors). Missing
+    `labels` default to the ids (the model shifts them), missing `numeric_labels` to `numeric_values`;
+    padding gets label −100 and value 0. `numeric_labels` is always returned, because `Trainer` treats
+    every forward argument whose name contains "label" as a label and computes the evaluation loss
+    only when all of them are present.
+
+    Args:
+        pad_token_id: id written at padded positions (masked out by `attention_mask`).
+        padding_side: `"right"` or `"left"`; defaults to the tokenizer's when built `from_tokenizer`.
+        pad_to_multiple_of: round the padded length up to a multiple of this.
+    """
+
+    pad_token_id: int
+    padding_side: str = "right"
+    pad_to_multiple_of: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.padding_side not in ("right", "left"):
+            raise ValueError(f"padding_side must be 'right' or 'left', got {self.padding_side!r}")
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of must be a positive integer, got {self.pad_to_multiple_of}")
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, **kwargs) -> CausalQwenDataCollator:
+        """Take the pad id and the padding side from a tokenizer."""
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad is None:
+            raise ValueError("tokenizer has neither a pad_token_id nor an eos_token_id to pad with")
+        kwargs.setdefault("padding_side", tokenizer.padding_side)
+        return cls(pad_token_id=pad, **kwargs)
+
+    def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if not features:
+            raise ValueError("features must hold at least one example")
+        ids = [_as_list(f["input_ids"], "input_ids") for f in features]
+        length = max(len(x) for x in ids)
+        if self.pad_to_multiple_of:
+            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        batch: dict[str, list] = {k: [] for k in ("input_ids", "attention_mask", "labels", "numeric_values",
+                                                  "numeric_labels")}
+        for feature, row in zip(features, ids, strict=True):
+            n = len(row)
+            mask = _as_list(feature.get("attention_mask", [1] * n), "attention_mask")
+            values = [float(v) for v in _as_list(feature.get("numeric_values", [0.0] * n), "numeric_values")]
+            labels = _as_list(feature.get("labels", row), "labels")
+            numeric_labels = [float(v) for v in _as_list(feature.get("numeric_labels", values), "numeric_labels")]
+            for name, seq in (("attention_mask", mask), ("numeric_values", values), ("labels", labels),
+                              ("numeric_labels", numeric_labels)):
+                if len(seq) != n:
+                    raise ValueError(f"{name} has length {len(seq)} but input_ids has {n}")
+            labels = [lab if m else IGNORE_INDEX for lab, m in zip(labels, mask, strict=True)]
+            batch["input_ids"].append(self._pad(row, length, self.pad_token_id))
+            batch["attention_mask"].append(self._pad(mask, length, 0))
+            batch["labels"].append(self._pad(labels, length, IGNORE_INDEX))
+            batch["numeric_values"].append(self._pad(values, length, 0.0))
+            batch["numeric_labels"].append(self._pad(numeric_labels, length, 0.0))
+        return {
+            "input_ids": torch.tensor(batch["input_ids"], dtype=torch.long),
+            "attention_mask": torch.tensor(batch["attention_mask"], dtype=torch.long),
+            "labels": torch.tensor(batch["labels"], dtype=torch.long),
+            "numeric_values": torch.tensor(batch["numeric_values"], dtype=torch.float64),
+            "numeric_labels": torch.tensor(batch["numeric_labels"], dtype=torch.float64),
+        }
+
+    def _pad(self, seq: list, length: int, value) -> list:
+        padding = [value] * (length - len(seq))
+        return padding + seq if self.padding_side == "left" else seq + padding
+
+
+def _as_list(x, name: str) -> list:
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 1:
+            raise ValueError(f"{name} of one feature must be 1-D, got shape {tuple(x.shape)}")
+        return x.tolist()
+    if isinstance(x, (list, tuple)):
+        return list(x)
+    raise TypeError(f"{name} must be a list or a 1-D tensor, got {type(x).__name__}")
