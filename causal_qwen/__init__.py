@@ -7,6 +7,10 @@ from .modeling import CausalQwenForCausalLM, CausalQwenOutput, CausalQwenPreTrai
 
 AutoConfig.register(CausalQwenConfig.model_type, CausalQwenConfig, exist_ok=True)
 AutoModelForCausalLM.register(CausalQwenConfig, CausalQwenForCausalLM, exist_ok=True)
+# Saved checkpoints carry the modeling code and an `auto_map`, so that `trust_remote_code=True` loads them
+# where this package is not installed.
+CausalQwenConfig.register_for_auto_class()
+CausalQwenForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
 __all__ = ["CausalQwenConfig", "CausalQwenForCausalLM", "CausalQwenOutput", "CausalQwenPreTrainedModel"]
 __version__ = "0.1.0"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from . import cauchy
+from .cauchy import ovr_log_probs, standard_from_uniform
 
 GENERATION_MODES = ("standard", "causal", "traditional")
 
@@ -130,11 +130,11 @@ class CausalGenerationState:
         """
         loc_u, scale_u = loc_u[:, -1:], scale_u[:, -1:]
         if self.mode == "causal":
-            u = loc_u + scale_u * cauchy.standard_from_uniform(self._draw(loc_u)).unsqueeze(1)
+            u = loc_u + scale_u * standard_from_uniform(self._draw(loc_u)).unsqueeze(1)
             noise = action.b_noise.abs().to(u.dtype).expand_as(u)
             loc_in, scale_in = u, noise
         elif self.shared_noise:
-            eps_noise = cauchy.standard_from_uniform(self._draw(loc_u)).unsqueeze(1)
+            eps_noise = standard_from_uniform(self._draw(loc_u)).unsqueeze(1)
             loc_in, scale_in = loc_u + action.b_noise.abs().to(loc_u.dtype) * eps_noise, scale_u
         else:
             loc_in, scale_in = loc_u, action.noisy_scale(scale_u)
@@ -148,7 +148,7 @@ class CausalGenerationState:
         if self.mode == "traditional":
             logits = loc_s
         else:
-            logits = cauchy.ovr_log_probs(loc_s.float(), scale_s.float(), action.threshold.float())[0]
+            logits = ovr_log_probs(loc_s.float(), scale_s.float(), action.threshold.float())[0]
         return {"logits": logits, "loc_S": loc_s, "scale_S": scale_s, "loc_Y": loc_y, "scale_Y": scale_y}
 
     def _draw(self, like: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cauchy
+from .cauchy import nll, ovr_log_probs, ovr_probability, symlog
 
 IGNORE_INDEX = -100
 
@@ -47,7 +47,7 @@ def ovr_classification_loss(
     Returns:
         `[N]` losses, in fp32.
     """
-    log_p, log_q = cauchy.ovr_log_probs(loc_s.float(), scale_s.float(), _as_float(threshold))
+    log_p, log_q = ovr_log_probs(loc_s.float(), scale_s.float(), _as_float(threshold))
     safe_targets = targets.clamp(min=0).unsqueeze(-1)
     # All classes are negatives except the target, whose negative term is swapped for its positive one.
     return -(log_q.sum(-1) + log_p.gather(-1, safe_targets).squeeze(-1) - log_q.gather(-1, safe_targets).squeeze(-1))
@@ -56,7 +56,7 @@ def ovr_classification_loss(
 def transform_values(values: torch.Tensor, value_transform: str) -> torch.Tensor:
     """Map true values into the space the regression head models."""
     if value_transform == "symlog":
-        return cauchy.symlog(values)
+        return symlog(values)
     return values
 
 
@@ -69,7 +69,7 @@ def regression_nll(
         raise ValueError(
             "numeric_labels holds values beyond the float32 range; use value_transform='symlog' for them"
         )
-    return cauchy.nll(target, loc_y.float(), scale_y.float())
+    return nll(target, loc_y.float(), scale_y.float())
 
 
 def causal_qwen_loss(
@@ -120,16 +120,16 @@ def causal_qwen_loss(
     if num_token_id is not None and loc_y is not None and target_values is not None:
         num_mask = valid & (targets == num_token_id)
         if num_mask.any():
-            nll = regression_nll(loc_y[:, :-1][num_mask], scale_y[:, :-1][num_mask], target_values[num_mask],
+            nll_values = regression_nll(loc_y[:, :-1][num_mask], scale_y[:, :-1][num_mask], target_values[num_mask],
                                  value_transform)
-            p_num = cauchy.ovr_probability(
+            p_num = ovr_probability(
                 loc_s[..., num_token_id][num_mask].float(), scale_s[..., num_token_id][num_mask].float(),
                 _threshold_of(threshold, num_token_id),
             )
             if detach_gate:
                 p_num = p_num.detach()
             gate = gate_alpha + (1.0 - gate_alpha) * p_num
-            reg_loss = (gate * nll).sum() / num_mask.sum()
+            reg_loss = (gate * nll_values).sum() / num_mask.sum()
 
     return CausalLoss(loss=cls_loss + reg_loss_weight * reg_loss, cls_loss=cls_loss, reg_loss=reg_loss)
 

@@ -21,7 +21,8 @@ from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.qwen2.modeling_qwen2 import Qwen2PreTrainedModel
 from transformers.utils import ModelOutput, can_return_tuple
 
-from . import cauchy
+from .cauchy import linear as cauchy_linear
+from .cauchy import ovr_probability, quantile, symexp, symlog
 from .configuration import CausalQwenConfig
 from .generation import CausalGenerationState, CausalQwenGenerateOutput, check_generation_options, global_rng_from
 from .loss import IGNORE_INDEX, causal_qwen_loss
@@ -91,7 +92,7 @@ class CausalQwenNumericEmbedding(nn.Module):
         embeds = inputs_embeds + is_num * self.d_num.to(inputs_embeds.dtype)
         if numeric_values is not None:
             # symlog in float64 keeps the 16 significant digits of the tokenizer's values.
-            magnitude = cauchy.symlog(numeric_values.to(torch.float64)).to(inputs_embeds.dtype)
+            magnitude = symlog(numeric_values.to(torch.float64)).to(inputs_embeds.dtype)
             embeds = embeds + magnitude.unsqueeze(-1) * self.w_num.to(inputs_embeds.dtype)
         return embeds
 
@@ -140,12 +141,12 @@ class CausalQwenAction(nn.Module):
 
     def classify(self, loc: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Decision scores `(loc_S, scale_S)` `[..., V]` from a Cauchy input `[..., C]`."""
-        loc_s, scale_s = cauchy.linear(loc, scale, self.cls_head.weight, self.cls_head.bias)
+        loc_s, scale_s = cauchy_linear(loc, scale, self.cls_head.weight, self.cls_head.bias)
         return loc_s, scale_s.clamp(min=self.scale_min)
 
     def regress(self, loc: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Regression output `(loc_Y, scale_Y)` `[...]` from a Cauchy input `[..., C]`."""
-        loc_y, scale_y = cauchy.linear(loc, scale, self.reg_head.weight, self.reg_head.bias)
+        loc_y, scale_y = cauchy_linear(loc, scale, self.reg_head.weight, self.reg_head.bias)
         return loc_y.squeeze(-1), scale_y.squeeze(-1).clamp(min=self.scale_min)
 
     def forward(
@@ -161,7 +162,7 @@ class CausalQwenAction(nn.Module):
 
     def ovr_probability(self, loc_s: torch.Tensor, scale_s: torch.Tensor) -> torch.Tensor:
         """P_k = P(S_k > C_k), `[..., V]`."""
-        return cauchy.ovr_probability(loc_s, scale_s, self.threshold.to(loc_s.dtype))
+        return ovr_probability(loc_s, scale_s, self.threshold.to(loc_s.dtype))
 
 
 def inverse_softplus(y: float) -> float:
@@ -420,12 +421,12 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
         if not 0.0 < coverage < 1.0:
             raise ValueError(f"coverage must lie in (0, 1), got {coverage}")
         tail = (1.0 - coverage) / 2.0
-        bounds = (loc_y, cauchy.quantile(loc_y, scale_y, tail), cauchy.quantile(loc_y, scale_y, 1.0 - tail))
+        bounds = (loc_y, quantile(loc_y, scale_y, tail), quantile(loc_y, scale_y, 1.0 - tail))
         return tuple(self.to_value(b) for b in bounds)
 
     def to_value(self, y: torch.Tensor) -> torch.Tensor:
         """Map a point of the regression head's space back to a value (the inverse of `value_transform`)."""
-        return cauchy.symexp(y) if self.config.value_transform == "symlog" else y
+        return symexp(y) if self.config.value_transform == "symlog" else y
 
     def _check_inputs(
         self,
