@@ -26,6 +26,7 @@ from .cauchy import ovr_probability, quantile, symexp, symlog
 from .configuration import CausalQwenConfig
 from .generation import CausalGenerationState, CausalQwenGenerateOutput, check_generation_options, global_rng_from
 from .loss import IGNORE_INDEX, causal_qwen_loss
+from .modelcard import write_model_card
 
 __all__ = ["CausalQwenOutput", "CausalQwenPreTrainedModel", "CausalQwenForCausalLM"]
 
@@ -220,7 +221,26 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
         self.abduction = CausalQwenAbduction(config)
         self.action = CausalQwenAction(config)
         self.post_init()
-        self.model.requires_grad_(not config.freeze_backbone)
+        self.apply_freeze_backbone()
+
+    def apply_freeze_backbone(self) -> None:
+        """Set `requires_grad` of the backbone from `config.freeze_backbone`."""
+        self.model.requires_grad_(not self.config.freeze_backbone)
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        # Loading replaces the parameters that `__init__` froze, so freeze again once they are in place.
+        model = super().from_pretrained(*args, **kwargs)
+        if isinstance(model, CausalQwenForCausalLM):
+            model.apply_freeze_backbone()
+        return model
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`, plus a model card (README.md) when the folder has none."""
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            write_model_card(save_directory, self.config)
+        return result
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.action.cls_head
