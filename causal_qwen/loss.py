@@ -97,8 +97,11 @@ def causal_qwen_loss(
         numeric_labels: `[B, S]` true values (read where the label is `<NUM>`), or None.
         threshold: the OvR threshold C, scalar or `[V]`.
         num_token_id: id of `<NUM>`; None turns regression off.
-        num_items_in_batch: when given (gradient accumulation in `Trainer`), the classification sum is
-            divided by it instead of by this batch's count of valid positions.
+        num_items_in_batch: when given (`Trainer` with gradient accumulation or several devices), the count
+            of valid positions over all micro-batches and devices. The classification sum is divided by it
+            instead of by this batch's count, and the regression mean enters the total weighted by this
+            batch's share of valid positions, so that summing micro-batch losses (as `Trainer` does) gives
+            the valid-position-weighted average of their regression means instead of multiplying it.
 
     Returns:
         `CausalLoss` with `loss = cls_loss + reg_loss_weight · reg_loss`, fp32 scalars.
@@ -131,7 +134,10 @@ def causal_qwen_loss(
             gate = gate_alpha + (1.0 - gate_alpha) * p_num
             reg_loss = (gate * nll_values).sum() / num_mask.sum()
 
-    return CausalLoss(loss=cls_loss + reg_loss_weight * reg_loss, cls_loss=cls_loss, reg_loss=reg_loss)
+    reg_in_total = reg_loss
+    if num_items_in_batch is not None:
+        reg_in_total = reg_loss * _safe_mean(flat_valid.sum().to(reg_loss.dtype), num_items_in_batch)
+    return CausalLoss(loss=cls_loss + reg_loss_weight * reg_in_total, cls_loss=cls_loss, reg_loss=reg_loss)
 
 
 def _safe_mean(total: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:

@@ -100,6 +100,9 @@ def test_num_items_in_batch_replaces_the_valid_count():
     scaled = causal_qwen_loss(loc_s, scale_s, loc_y, scale_y, labels, values, threshold=10.0, num_token_id=NUM,
                               num_items_in_batch=torch.tensor(4 * n_valid))
     assert scaled.cls_loss.item() == pytest.approx(base.cls_loss.item() / 4, rel=1e-6)
+    # The regression mean is reported as is and enters the total with this batch's share of valid positions.
+    assert scaled.reg_loss.item() == pytest.approx(base.reg_loss.item(), rel=1e-6)
+    assert scaled.loss.item() == pytest.approx(base.cls_loss.item() / 4 + base.reg_loss.item() / 4, rel=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
