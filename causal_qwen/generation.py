@@ -18,13 +18,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+from transformers.generation.streamers import BaseStreamer, TextStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cauchy import ovr_log_probs, standard_from_uniform
 
 GENERATION_MODES = ("standard", "causal", "traditional")
 
-__all__ = ["GENERATION_MODES", "CausalQwenGenerateOutput", "CausalGenerationState", "check_generation_options"]
+__all__ = [
+    "GENERATION_MODES", "CausalQwenGenerateOutput", "CausalGenerationState", "StreamerWithNumbers",
+    "check_generation_options",
+]
 
 
 @dataclass
@@ -161,6 +165,45 @@ class CausalGenerationState:
         if shared:
             self.shared_draw = eps
         return eps
+
+
+class StreamerWithNumbers(BaseStreamer):
+    """Give a `TextStreamer` the values of the `<NUM>` tokens it decodes.
+
+    A text streamer decodes the ids it has cached since its last flush; a `<NUM>` among them can only be written
+    as digits with its value. This wrapper keeps the values of the cached ids and hands them to the streamer's
+    `decode` call. Values of new tokens come from the generation state, which holds the value of the token just
+    chosen until the next step reads it. Other streamers receive the ids unchanged.
+    """
+
+    def __init__(self, streamer: BaseStreamer, state: CausalGenerationState, prompt_values: torch.Tensor | None):
+        self.streamer = streamer
+        self.state = state
+        self.prompt_values = prompt_values
+        self.cached_values: list[float] = []
+        self.seen_prompt = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not isinstance(self.streamer, TextStreamer):
+            self.streamer.put(value)
+            return
+        ids = value.reshape(-1)
+        if not self.seen_prompt:
+            self.seen_prompt = True
+            values = self.prompt_values.reshape(-1) if self.prompt_values is not None else torch.zeros(ids.shape)
+        else:
+            pending = self.state.pending_value
+            values = torch.zeros(ids.shape, dtype=torch.float64)
+            if pending is not None and self.state.num_token_id is not None:
+                values = torch.where(ids.cpu() == self.state.num_token_id, pending.reshape(-1).cpu(), values)
+        cached = len(self.streamer.token_cache)
+        aligned = (self.cached_values[len(self.cached_values) - cached:] if cached else []) + values.tolist()
+        self.streamer.decode_kwargs["numeric_values"] = aligned
+        self.streamer.put(value)
+        self.cached_values = aligned
+
+    def end(self) -> None:
+        self.streamer.end()
 
 
 @contextlib.contextmanager

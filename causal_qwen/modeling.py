@@ -24,7 +24,13 @@ from transformers.utils import ModelOutput, can_return_tuple
 from .cauchy import linear as cauchy_linear
 from .cauchy import ovr_probability, quantile, symexp, symlog
 from .configuration import CausalQwenConfig
-from .generation import CausalGenerationState, CausalQwenGenerateOutput, check_generation_options, global_rng_from
+from .generation import (
+    CausalGenerationState,
+    CausalQwenGenerateOutput,
+    StreamerWithNumbers,
+    check_generation_options,
+    global_rng_from,
+)
 from .loss import IGNORE_INDEX, causal_qwen_loss
 from .modelcard import write_model_card
 
@@ -411,6 +417,8 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
             mode, shared_individual=shared_individual, shared_noise=shared_noise, generator=generator,
             num_token_id=self.config.num_token_id if self.config.use_numeric else None, to_value=self.to_value,
         )
+        if kwargs.get("streamer") is not None and state.num_token_id is not None:
+            kwargs["streamer"] = StreamerWithNumbers(kwargs["streamer"], state, numeric_values)
         sampling_rng = global_rng_from(generator if mode == "traditional" else None)
         with sampling_rng:
             output = super().generate(
