@@ -17,6 +17,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers.generation.streamers import BaseStreamer, TextStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -146,7 +147,7 @@ class CausalGenerationState:
         loc_y = scale_y = None
         if action.reg_head is not None:
             loc_y, scale_y = action.regress(loc_in, scale_in)
-            self.pending_value = self.to_value(loc_y[:, -1].double())
+            self.pending_value = shortest_float32(self.to_value(loc_y[:, -1].double()))
             self.step_loc_y.append(loc_y[:, -1])
             self.step_scale_y.append(scale_y[:, -1])
         if self.mode == "traditional":
@@ -165,6 +166,17 @@ class CausalGenerationState:
         if shared:
             self.shared_draw = eps
         return eps
+
+
+def shortest_float32(values: torch.Tensor) -> torch.Tensor:
+    """Round float64 values to the shortest decimal that reads back as the same float32.
+
+    The heads compute in float32 (or less), so digits beyond float32 precision are noise; rounding them away
+    makes a generated 18.660715 print as "18.660715" rather than "18.660715103149414". Values outside the
+    float32 range are kept as they are.
+    """
+    rounded = [float(str(np.float32(v))) if abs(v) < 3.0e38 else v for v in values.tolist()]
+    return torch.tensor(rounded, dtype=torch.float64, device=values.device)
 
 
 class StreamerWithNumbers(BaseStreamer):

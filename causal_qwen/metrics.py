@@ -199,9 +199,16 @@ def _spread(name: str, values: torch.Tensor) -> dict[str, float]:
 
 @torch.no_grad()
 def evaluate(
-    model, batches: Iterable[dict[str, torch.Tensor]], generator: torch.Generator | None = None
-) -> dict[str, float]:
-    """Run the model over `batches` (dicts as the data collator makes them) and summarise every metric."""
+    model,
+    batches: Iterable[dict[str, torch.Tensor]],
+    generator: torch.Generator | None = None,
+    return_statistics: bool = False,
+) -> dict[str, float] | tuple[dict[str, float], torch.Tensor]:
+    """Run the model over `batches` (dicts as the data collator makes them) and summarise every metric.
+
+    With `return_statistics=True` also return the packed per-position statistics `[N, len(FIELDS)]`, e.g. for
+    `causal_qwen.plots.plot_evaluation`. Batches may be wrapped in a progress bar by the caller.
+    """
     was_training = model.training
     model.eval()
     collected = []
@@ -215,7 +222,9 @@ def evaluate(
         collected.append(position_statistics(model, out.loc_S, out.scale_S, out.loc_Y, out.scale_Y, out.loc_U,
                                              out.scale_U, labels, numeric_labels, generator).reshape(-1, len(FIELDS)))
     model.train(was_training)
-    return summarize(torch.cat(collected, 0), model)
+    stats = torch.cat(collected, 0)
+    metrics = summarize(stats, model)
+    return (metrics, stats) if return_statistics else metrics
 
 
 class CausalQwenMetrics:

@@ -145,7 +145,9 @@ def test_forced_numbers_take_the_modes_value_and_feed_back(model, mode):
     start = ids.shape[1]
     assert (out.sequences[:, start:] == NUM).all()
     generated_values = out.numeric_values[:, start:]
-    torch.testing.assert_close(generated_values, model.to_value(out.loc_Y.double()))
+    # Values are the medians written with float32 precision (the precision the heads compute in).
+    torch.testing.assert_close(generated_values, model.to_value(out.loc_Y.double()), rtol=1e-7, atol=0.0)
+    assert all(len(repr(v).replace("-", "").replace(".", "").lstrip("0")) <= 9 for v in generated_values[0].tolist())
     assert generated_values.abs().min() > 0 and out.scale_Y.shape == generated_values.shape
     if mode != "causal":
         # A full forward with the values fed back predicts the same medians at every generated step.

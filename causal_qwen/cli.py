@@ -1,0 +1,241 @@
+"""The `causal-qwen` command line: convert a Qwen2 checkpoint, train, evaluate, generate.
+
+    causal-qwen convert Qwen/Qwen2.5-0.5B ./cq            # or a local Qwen2 folder
+    causal-qwen generate ./cq "A kilo of apples costs 3.5 dollars, so 4 kilos cost" --mode causal --seed 0
+    causal-qwen train ./cq ./cq-trained --data corpus --max-steps 200
+    causal-qwen eval ./cq-trained --data corpus --split test --plots ./plots
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["main", "build_parser"]
+
+DESCRIPTION = """\
+CausalQwen: Qwen2 models that read numbers as values, decide each token with One-vs-Rest Cauchy
+decisions and predict numbers with a median and an interval.
+
+Start with `convert` to turn a Qwen2 / Qwen2.5 checkpoint (a folder or a hub id) into a CausalQwen
+checkpoint; then `generate`, `train` and `eval` take that folder. `causal-qwen COMMAND --help` says more.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="causal-qwen", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    convert = commands.add_parser("convert", help="Qwen2 checkpoint -> CausalQwen checkpoint with its tokenizer",
+                                  description="Build a CausalQwen from a Qwen2 checkpoint (DESIGN §3 initialisation: "
+                                              "it starts as exactly its Qwen) and save it with its tokenizer.")
+    convert.add_argument("source", help="Qwen2 folder (with its tokenizer) or hub id")
+    convert.add_argument("output", help="folder to write the CausalQwen checkpoint to")
+    convert.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    convert.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                         help="override a CausalQwenConfig field, e.g. --set ovr_threshold=20 (repeatable)")
+
+    generate = commands.add_parser("generate", help="generate text, numbers written as digits",
+                                   description="Generate a continuation of PROMPT in any mode.")
+    generate.add_argument("model", help="CausalQwen folder")
+    generate.add_argument("prompt", nargs="+", help="one or more prompts")
+    generate.add_argument("--mode", default="standard", choices=["standard", "causal", "traditional"])
+    generate.add_argument("--shared-individual", action="store_true", help="causal mode: one individual per text")
+    generate.add_argument("--shared-noise", action="store_true", help="standard mode: one noise draw per text")
+    generate.add_argument("--do-sample", action="store_true", help="traditional mode: sample from the softmax")
+    generate.add_argument("--temperature", type=float)
+    generate.add_argument("--top-k", type=int)
+    generate.add_argument("--top-p", type=float)
+    generate.add_argument("--max-new-tokens", type=int, default=32)
+    generate.add_argument("--seed", type=int, default=0, help="seed of every random draw (default 0)")
+    generate.add_argument("--intervals", action="store_true", help="print the 90%% interval of every number")
+
+    train = commands.add_parser("train", help="fine-tune the causal heads (backbone frozen) with Trainer",
+                                description="Train with transformers' Trainer on the built-in numeric corpus or "
+                                            "on your texts (.jsonl/.csv with a text column, or .txt).")
+    train.add_argument("model", help="CausalQwen folder to start from")
+    train.add_argument("output", help="folder for checkpoints and the final model")
+    _add_data_arguments(train, default_split="train", default_n=2000)
+    train.add_argument("--eval-data", help="evaluation data (same forms as --data); default: corpus validation")
+    train.add_argument("--max-steps", type=int, default=100)
+    train.add_argument("--batch-size", type=int, default=8)
+    train.add_argument("--learning-rate", type=float, default=1e-3)
+    train.add_argument("--max-length", type=int, default=128)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--report-to", default="none", help="Trainer's report_to, e.g. tensorboard, wandb, none")
+
+    evaluate = commands.add_parser("eval", help="metrics table and plots",
+                                   description="Evaluate every metric of DESIGN §6 and write plots as PNG files.")
+    evaluate.add_argument("model", help="CausalQwen folder")
+    _add_data_arguments(evaluate, default_split="test", default_n=500)
+    evaluate.add_argument("--batch-size", type=int, default=8)
+    evaluate.add_argument("--max-length", type=int, default=128)
+    evaluate.add_argument("--plots", help="folder for predictions.png and u_scale.png")
+    evaluate.add_argument("--json", help="also write the metrics to this JSON file")
+    evaluate.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _add_data_arguments(parser: argparse.ArgumentParser, default_split: str, default_n: int) -> None:
+    parser.add_argument("--data", default="corpus",
+                        help="'corpus' (the built-in numeric corpus) or a .jsonl/.csv/.txt file of texts")
+    parser.add_argument("--text-column", default="text", help="column holding the text in .jsonl/.csv files")
+    parser.add_argument("--split", default=default_split,
+                        choices=["train", "validation", "test", "extrapolation"], help="corpus split")
+    parser.add_argument("--num-examples", type=int, default=default_n, help="corpus size")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return {"convert": run_convert, "generate": run_generate, "train": run_train, "eval": run_eval}[args.command](args)
+
+
+def parse_overrides(pairs: list[str]) -> dict:
+    """`["ovr_threshold=20", "learnable_threshold=True"]` -> `{"ovr_threshold": 20, "learnable_threshold": True}`."""
+    overrides = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise SystemExit(f"--set expects FIELD=VALUE, got {pair!r}")
+        key, raw = pair.split("=", 1)
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw
+        overrides[key.strip()] = value
+    return overrides
+
+
+def run_convert(args) -> int:
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from . import CausalQwenForCausalLM, CausalQwenTokenizer
+
+    dtype = getattr(torch, args.dtype)
+    print(f"loading Qwen2 from {args.source} ...")
+    qwen = Qwen2ForCausalLM.from_pretrained(args.source, dtype=dtype)
+    tokenizer = CausalQwenTokenizer.from_pretrained(args.source)
+    model = CausalQwenForCausalLM.from_qwen(qwen, tokenizer=tokenizer, **parse_overrides(args.overrides))
+    model.save_pretrained(args.output)
+    tokenizer.save_pretrained(args.output)
+    print(f"saved CausalQwen to {args.output} (<NUM> id {model.config.num_token_id}, vocab {model.config.vocab_size})")
+    return 0
+
+
+def _load(path: str):
+    from . import CausalQwenForCausalLM, CausalQwenTokenizer
+
+    model = CausalQwenForCausalLM.from_pretrained(path).eval()
+    tokenizer = CausalQwenTokenizer.from_pretrained(path)
+    if model.config.use_numeric and tokenizer.num_token_id != model.config.num_token_id:
+        raise SystemExit(f"tokenizer <NUM> id {tokenizer.num_token_id} != model's {model.config.num_token_id}")
+    return model, tokenizer
+
+
+def run_generate(args) -> int:
+    import torch
+
+    model, tokenizer = _load(args.model)
+    tokenizer.padding_side = "left"
+    batch = tokenizer(args.prompt, return_tensors="pt", padding=True)
+    sampling = {k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k), ("top_p", args.top_p))
+                if v is not None}
+    out = model.generate(
+        **batch, mode=args.mode, shared_individual=args.shared_individual, shared_noise=args.shared_noise,
+        do_sample=args.do_sample or None, max_new_tokens=args.max_new_tokens,
+        generator=torch.Generator().manual_seed(args.seed), return_dict_in_generate=True,
+        output_value_scores=args.intervals, pad_token_id=tokenizer.pad_token_id, **sampling,
+    )
+    start = batch["input_ids"].shape[1]
+    for row, prompt in enumerate(args.prompt):
+        text = tokenizer.decode(out.sequences[row, start:], numeric_values=out.numeric_values[row, start:],
+                                skip_special_tokens=True)
+        print(prompt + text)
+        if args.intervals and out.loc_Y is not None:
+            new = out.sequences[row, start:]
+            for step in (new == model.config.num_token_id).nonzero().flatten().tolist():
+                median, low, high = model.value_interval(out.loc_Y[row, step], out.scale_Y[row, step], 0.9)
+                print(f"  number {median.item():.6g}: 90% interval [{low.item():.6g}, {high.item():.6g}]")
+    return 0
+
+
+def _texts(args, split: str | None = None, n: int | None = None) -> list[str]:
+    from .data import generate_corpus
+    from .data.texts import read_texts
+
+    if args.data == "corpus":
+        return [example.text for example in generate_corpus(n or args.num_examples, split=split or args.split,
+                                                            seed=args.seed)]
+    return read_texts(args.data, args.text_column)
+
+
+def run_train(args) -> int:
+    from transformers import Trainer, TrainingArguments
+
+    from .data import CausalQwenDataCollator
+    from .data.texts import tokenize_texts
+    from .plots import plot_loss_curves
+
+    model, tokenizer = _load(args.model)
+    model.train()
+    train_features = tokenize_texts(tokenizer, _texts(args), args.max_length)
+    if args.eval_data:
+        eval_args = argparse.Namespace(**{**vars(args), "data": args.eval_data})
+        eval_texts = _texts(eval_args)
+    elif args.data == "corpus":
+        eval_texts = _texts(args, split="validation", n=max(16, args.num_examples // 10))
+    else:
+        eval_texts = []
+    eval_features = tokenize_texts(tokenizer, eval_texts, args.max_length) or None
+    training_args = TrainingArguments(
+        output_dir=args.output, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size, learning_rate=args.learning_rate, seed=args.seed,
+        logging_steps=max(1, args.max_steps // 20), eval_strategy="steps" if eval_features else "no",
+        eval_steps=max(1, args.max_steps // 4), save_strategy="no", report_to=args.report_to,
+    )
+    trainer = Trainer(model=model, args=training_args, train_dataset=train_features, eval_dataset=eval_features,
+                      data_collator=CausalQwenDataCollator.from_tokenizer(tokenizer))
+    trainer.train()
+    model.save_pretrained(args.output)
+    tokenizer.save_pretrained(args.output)
+    curve = plot_loss_curves(trainer.state.log_history, Path(args.output) / "loss.png")
+    print(f"saved the trained model to {args.output}; loss curve in {curve}")
+    return 0
+
+
+def run_eval(args) -> int:
+    import torch
+    from tqdm.auto import tqdm
+
+    from .data import CausalQwenDataCollator
+    from .data.texts import tokenize_texts
+    from .metrics import evaluate
+
+    model, tokenizer = _load(args.model)
+    features = tokenize_texts(tokenizer, _texts(args), args.max_length)
+    if not features:
+        raise SystemExit("no evaluation texts")
+    collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
+    batches = (collator(features[i:i + args.batch_size]) for i in range(0, len(features), args.batch_size))
+    total = -(-len(features) // args.batch_size)
+    metrics, stats = evaluate(model, tqdm(batches, total=total, desc="evaluating"),
+                              generator=torch.Generator().manual_seed(args.seed), return_statistics=True)
+    width = max(len(k) for k in metrics)
+    for key, value in metrics.items():
+        print(f"{key:<{width}}  {value:.6g}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(metrics, indent=2), encoding="utf-8")
+    if args.plots:
+        from .plots import plot_evaluation
+
+        for path in plot_evaluation(model, stats, args.plots):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

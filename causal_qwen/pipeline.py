@@ -1,0 +1,107 @@
+"""`pipeline("text-generation")` for CausalQwen: prompt numbers reach the model, generated numbers come back as digits.
+
+transformers' text-generation pipeline hands only `input_ids` and `attention_mask` to `generate` and decodes
+ids alone. For a CausalQwen model this pipeline also passes the prompt's `numeric_values`, asks `generate`
+for the generated ones, and decodes with them. For every other model it behaves exactly as the stock one,
+which it extends; importing `causal_qwen` registers it for the task.
+"""
+
+from __future__ import annotations
+
+from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.pipelines import PIPELINE_REGISTRY, TextGenerationPipeline
+from transformers.pipelines.text_generation import Chat, ReturnType
+from transformers.utils import logging
+
+__all__ = ["CausalQwenTextGenerationPipeline", "register_pipeline"]
+
+
+def _is_causal_qwen(model) -> bool:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(getattr(base, "config", None), "model_type", None) == "causal_qwen"
+
+
+class CausalQwenTextGenerationPipeline(TextGenerationPipeline):
+    """The text-generation pipeline, with numbers for CausalQwen models.
+
+    Generation arguments of CausalQwen (`mode`, `generator`, `shared_individual`, ...) pass through:
+    `pipe(prompt, mode="causal", generator=torch.Generator().manual_seed(0), max_new_tokens=20)`.
+    """
+
+    @property
+    def _default_generation_config(self) -> GenerationConfig:
+        # The stock default samples from the softmax, which only `traditional` mode does; CausalQwen's own modes
+        # decide by argmax, so its default leaves `do_sample` to the mode (pass `do_sample=True` with traditional).
+        if _is_causal_qwen(self.model):
+            return GenerationConfig(max_new_tokens=256)
+        return TextGenerationPipeline._default_generation_config
+
+    def _sanitize_parameters(self, **kwargs):
+        causal = {k: kwargs.pop(k) for k in ("mode", "shared_individual", "shared_noise", "generator") if k in kwargs}
+        preprocess, forward, postprocess = super()._sanitize_parameters(**kwargs)
+        forward.update(causal)
+        return preprocess, forward, postprocess
+
+    def _forward(self, model_inputs, **generate_kwargs):
+        if not _is_causal_qwen(self.model):
+            return super()._forward(model_inputs, **generate_kwargs)
+        numeric_values = model_inputs.pop("numeric_values", None)
+        if numeric_values is not None and model_inputs["input_ids"].shape[1] > 0:
+            generate_kwargs["numeric_values"] = numeric_values
+        generate_kwargs["return_dict_in_generate"] = True
+        # The stock pipeline reshapes every tensor of the generate output per prompt, numeric_values included.
+        return super()._forward(model_inputs, **generate_kwargs)
+
+    def postprocess(self, model_outputs, return_type=ReturnType.FULL_TEXT, clean_up_tokenization_spaces=None,
+                    continue_final_message=None, skip_special_tokens=None, **kwargs):
+        if not _is_causal_qwen(self.model) or "numeric_values" not in model_outputs:
+            return super().postprocess(model_outputs, return_type=return_type,
+                                       clean_up_tokenization_spaces=clean_up_tokenization_spaces,
+                                       continue_final_message=continue_final_message,
+                                       skip_special_tokens=skip_special_tokens, **kwargs)
+        sequences = model_outputs["generated_sequence"][0].tolist()
+        values = model_outputs["numeric_values"][0].tolist()
+        input_ids = model_outputs["input_ids"]
+        prompt = model_outputs["prompt_text"]
+        start = 0 if input_ids is None else input_ids.shape[-1]
+        skip = True if skip_special_tokens is None else skip_special_tokens
+        records = []
+        for ids, row in zip(sequences, values, strict=True):
+            if return_type == ReturnType.TENSORS:
+                records.append({"generated_token_ids": ids, "generated_numeric_values": row})
+                continue
+            text = self.tokenizer.decode(ids[start:], numeric_values=row[start:], skip_special_tokens=skip)
+            if return_type == ReturnType.FULL_TEXT:
+                text = self._with_prompt(prompt, text, continue_final_message)
+            records.append({"generated_text": text})
+        return records
+
+    @staticmethod
+    def _with_prompt(prompt, text: str, continue_final_message: bool | None):
+        if isinstance(prompt, str):
+            return prompt + text
+        if isinstance(prompt, Chat):
+            messages = list(prompt.messages)
+            if continue_final_message is None:
+                continue_final_message = messages[-1]["role"] == "assistant"
+            if continue_final_message:
+                last = messages[-1]
+                return messages[:-1] + [{"role": last["role"], "content": last["content"] + text}]
+            return messages + [{"role": "assistant", "content": text}]
+        return text
+
+
+def register_pipeline() -> None:
+    """Make `pipeline("text-generation")` build [`CausalQwenTextGenerationPipeline`] (a superset of the stock one)."""
+    logger = logging.get_logger("transformers.pipelines.base")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # re-registering an existing task warns; here that is the intent
+    stock = PIPELINE_REGISTRY.supported_tasks.get("text-generation", {})
+    try:
+        PIPELINE_REGISTRY.register_pipeline(
+            "text-generation", pipeline_class=CausalQwenTextGenerationPipeline,
+            pt_model=stock.get("pt", AutoModelForCausalLM), default=stock.get("default"),
+            type=stock.get("type", "text"),
+        )
+    finally:
+        logger.setLevel(level)
