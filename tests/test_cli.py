@@ -1,0 +1,63 @@
+"""The causal-qwen command line end to end on a tiny base checkpoint with the real tokenizer."""
+
+import json
+import shutil
+import subprocess
+
+import torch
+from conftest import tiny_qwen2_config
+from transformers import Qwen2ForCausalLM
+
+from causal_qwen import CausalQwenForCausalLM
+from causal_qwen.cli import main
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+
+
+def test_help_explains_every_command():
+    out = subprocess.run(["causal-qwen", "--help"], capture_output=True, text=True, check=True).stdout
+    for command in ("convert", "generate", "train", "eval"):
+        assert command in out
+    sub = subprocess.run(["causal-qwen", "generate", "--help"], capture_output=True, text=True, check=True).stdout
+    assert "--mode" in sub and "--seed" in sub
+
+
+def test_convert_generate_train_eval(tmp_path, qwen25_dir, capsys):
+    base = tmp_path / "base"
+    torch.manual_seed(0)
+    qwen = Qwen2ForCausalLM(tiny_qwen2_config(vocab_size=151936)).eval()
+    qwen.save_pretrained(base)
+    for name in TOKENIZER_FILES:
+        shutil.copy(qwen25_dir / name, base / name)
+
+    converted = tmp_path / "cq"
+    assert main(["convert", str(base), str(converted), "--set", "ovr_threshold=1.5"]) == 0
+    model = CausalQwenForCausalLM.from_pretrained(converted)
+    assert model.config.num_token_id == 151665 and model.config.ovr_threshold == 1.5
+    ids = torch.tensor([[9707, 1879, 11]])
+    with torch.no_grad():
+        assert (model(ids).loc_S - qwen(ids).logits).abs().max() <= 1e-5
+
+    capsys.readouterr()
+    assert main(["generate", str(converted), "Price: 3.5 dollars", "--mode", "causal", "--seed", "1",
+                 "--max-new-tokens", "4"]) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("Price: 3.5 dollars")
+    main(["generate", str(converted), "Price: 3.5 dollars", "--mode", "causal", "--seed", "1", "--max-new-tokens", "4"])
+    assert capsys.readouterr().out == first
+
+    trained = tmp_path / "trained"
+    assert main(["train", str(converted), str(trained), "--data", "corpus", "--num-examples", "24", "--max-steps", "3",
+                 "--batch-size", "4", "--max-length", "48"]) == 0
+    assert (trained / "model.safetensors").exists() and (trained / "loss.png").exists()
+    after = CausalQwenForCausalLM.from_pretrained(trained)
+    assert not torch.equal(after.action.cls_head.weight, model.action.cls_head.weight)
+    assert torch.equal(after.model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("\n".join(json.dumps({"text": t}) for t in ["It costs 12 dollars.", "2 plus 3 is 5."]))
+    plots, report = tmp_path / "plots", tmp_path / "metrics.json"
+    assert main(["eval", str(trained), "--data", str(texts), "--plots", str(plots), "--json", str(report)]) == 0
+    metrics = json.loads(report.read_text())
+    assert {"eval/accuracy", "eval/ppl_ovr", "eval/reg_mae", "dist/ovr_prob_sum_median"} <= metrics.keys()
+    assert (plots / "predictions.png").stat().st_size > 0 and (plots / "u_scale.png").stat().st_size > 0
