@@ -15,6 +15,7 @@ register_pipeline()
 # where this package is not installed.
 CausalQwenConfig.register_for_auto_class()
 CausalQwenForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+CausalQwenTokenizer.register_for_auto_class("AutoTokenizer")
 
 __all__ = [
     "CausalQwenConfig",

@@ -117,7 +117,7 @@ def causal_qwen_loss(
         targets.reshape(-1)[flat_valid], threshold,
     )
     cls_denominator = num_items_in_batch if num_items_in_batch is not None else flat_valid.sum()
-    cls_loss = _safe_mean(cls_per_position.sum(), cls_denominator)
+    cls_loss = safe_mean(cls_per_position.sum(), cls_denominator)
 
     reg_loss = cls_loss.new_zeros(())
     if num_token_id is not None and loc_y is not None and target_values is not None:
@@ -136,11 +136,11 @@ def causal_qwen_loss(
 
     reg_in_total = reg_loss
     if num_items_in_batch is not None:
-        reg_in_total = reg_loss * _safe_mean(flat_valid.sum().to(reg_loss.dtype), num_items_in_batch)
+        reg_in_total = reg_loss * safe_mean(flat_valid.sum().to(reg_loss.dtype), num_items_in_batch)
     return CausalLoss(loss=cls_loss + reg_loss_weight * reg_in_total, cls_loss=cls_loss, reg_loss=reg_loss)
 
 
-def _safe_mean(total: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
+def safe_mean(total: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
     """`total / count`, with an empty denominator giving 0 rather than NaN."""
     if isinstance(count, torch.Tensor):
         count = count.to(total.device)

@@ -23,6 +23,7 @@ from transformers.utils import ModelOutput, can_return_tuple
 
 from .cauchy import linear as cauchy_linear
 from .cauchy import ovr_probability, quantile, symexp, symlog
+from .chunked_loss import chunked_causal_qwen_loss
 from .configuration import CausalQwenConfig
 from .generation import (
     CausalGenerationState,
@@ -267,6 +268,7 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
         numeric_labels: torch.Tensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        output_distributions: bool | None = None,
         generation_state: CausalGenerationState | None = None,
         **kwargs,
     ) -> CausalQwenOutput:
@@ -281,6 +283,10 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
                 True values read where a label is `<NUM>`; defaults to `numeric_values`.
             logits_to_keep (`int` or `torch.Tensor`): compute the heads at these positions only
                 (`generate` passes 1). Ignored when `labels` is given.
+            output_distributions (`bool`, *optional*): return `loc_S`/`scale_S` (and `logits`). By default they
+                are returned except in a training step with `labels`, which then takes the fused chunked path of
+                `causal_qwen.chunked_loss` (same loss and gradients, no `[B, S, V]` tensor); `loc_Y`, `scale_Y`,
+                `loc_U`, `scale_U` are always returned.
             generation_state (`CausalGenerationState`, *optional*): set by `generate`; the heads then run
                 at the last position only, in the generation mode, and `logits` holds that mode's
                 decision scores.
@@ -317,22 +323,33 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
                 past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
                 attentions=outputs.attentions,
             )
-        loc_s, scale_s, loc_y, scale_y = self.action(loc_u, scale_u)
+        if output_distributions is None:
+            # A training step needs only the loss: the fused path never builds the [B, S, V] head.
+            output_distributions = labels is None or not self.training
+        loc_s = scale_s = loc_y = scale_y = None
+        if output_distributions:
+            loc_s, scale_s, loc_y, scale_y = self.action(loc_u, scale_u)
+        elif self.action.reg_head is not None:
+            loc_y, scale_y = self.action.regress(loc_u, self.action.noisy_scale(scale_u))
 
         losses = None
         if labels is not None:
             if numeric_labels is None:
                 numeric_labels = numeric_values
-            losses = causal_qwen_loss(
-                loc_s, scale_s, loc_y, scale_y, labels, numeric_labels,
-                threshold=self.action.threshold,
-                num_token_id=self.config.num_token_id if self.config.use_numeric else None,
-                gate_alpha=self.config.gate_alpha,
-                reg_loss_weight=self.config.reg_loss_weight,
-                detach_gate=self.config.detach_gate,
-                value_transform=self.config.value_transform,
-                num_items_in_batch=num_items_in_batch,
-            )
+            options = {
+                "num_token_id": self.config.num_token_id if self.config.use_numeric else None,
+                "gate_alpha": self.config.gate_alpha,
+                "reg_loss_weight": self.config.reg_loss_weight,
+                "detach_gate": self.config.detach_gate,
+                "value_transform": self.config.value_transform,
+                "num_items_in_batch": num_items_in_batch,
+            }
+            if output_distributions:
+                losses = causal_qwen_loss(loc_s, scale_s, loc_y, scale_y, labels, numeric_labels,
+                                          threshold=self.action.threshold, **options)
+            else:
+                losses = chunked_causal_qwen_loss(loc_u, scale_u, labels, numeric_labels, action=self.action,
+                                                  **options)
 
         return CausalQwenOutput(
             loss=losses.loss if losses is not None else None,

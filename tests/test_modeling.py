@@ -177,6 +177,31 @@ def test_loss_through_the_model_equals_reference(tiny_qwen):
     assert out.reg_loss.item() != 0.0
 
 
+def test_training_step_takes_the_fused_path_with_the_same_loss_and_gradients(tiny_qwen):
+    model = build(tiny_qwen, learnable_threshold=True, ovr_threshold=0.5, abduction_scale_init=0.3).train()
+    randomize_heads(model)
+    ids = torch.randint(0, 100, (2, 9))
+    ids[:, 4] = NUM
+    values = torch.zeros(2, 9, dtype=torch.float64)
+    values[:, 4] = torch.tensor([3.0, -250.0], dtype=torch.float64)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    results = []
+    for full in (False, True):
+        model.zero_grad()
+        out = model(ids, numeric_values=values, labels=labels, output_distributions=full)
+        out.loss.backward()
+        results.append((out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (fused, fused_grads), (straight, straight_grads) = results
+    assert fused.loc_S is None and fused.logits is None and straight.loc_S is not None
+    torch.testing.assert_close(fused.loc_Y, straight.loc_Y)
+    for name in ("loss", "cls_loss", "reg_loss"):
+        assert getattr(fused, name).item() == pytest.approx(getattr(straight, name).item(), rel=1e-5)
+    assert fused_grads.keys() == straight_grads.keys() and "action.threshold" in fused_grads
+    for name, grad in straight_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-6 * grad.abs().max().item())
+
+
 def test_frozen_backbone_gets_no_gradient(tiny_qwen):
     model = build(tiny_qwen).train()
     ids = torch.randint(0, 100, (2, 6))
