@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import resource
 import subprocess
 import sys
 import time
 
 import torch
+from memory import peak_kb, reset_peak, resident_kb
 
 from causal_qwen import CausalQwenConfig
 from causal_qwen.chunked_loss import chunked_causal_qwen_loss
@@ -80,28 +79,6 @@ def head_and_loss(path: str, action: CausalQwenAction, loc_u, scale_u, labels, b
                                         memory_budget=budget).loss
     loss.backward()
     return loss.detach()
-
-
-def resident_kb() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
-
-
-def reset_peak() -> bool:
-    """Reset VmHWM to the current resident size (Linux ≥ 4.0); False where that is not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_kb(use_hwm: bool) -> int:
-    if use_hwm:
-        with open("/proc/self/status") as status:
-            return int(re.search(r"VmHWM:\s+(\d+)", status.read()).group(1))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def measure(path: str, positions: int, vocab: int, hidden: int, budget: int | None, repeats: int) -> dict:

@@ -96,9 +96,14 @@ class CausalQwenNumericEmbedding(nn.Module):
         self, inputs_embeds: torch.Tensor, input_ids: torch.Tensor, numeric_values: torch.Tensor | None
     ) -> torch.Tensor:
         """`inputs_embeds` `[B, S, H]`, `input_ids` and `numeric_values` `[B, S]` → `[B, S, H]`."""
-        is_num = (input_ids == self.num_token_id).unsqueeze(-1).to(inputs_embeds.dtype)
-        embeds = inputs_embeds + is_num * self.d_num.to(inputs_embeds.dtype)
-        if numeric_values is not None:
+        is_num = input_ids == self.num_token_id
+        has_values = numeric_values is not None and bool((numeric_values != 0).any())
+        if not has_values and not bool(is_num.any()):
+            # Nothing to add; returning the embedding unchanged also keeps d_num and w_num out of the graph, so a
+            # text-only training step does not backpropagate through the frozen backbone.
+            return inputs_embeds
+        embeds = inputs_embeds + is_num.unsqueeze(-1).to(inputs_embeds.dtype) * self.d_num.to(inputs_embeds.dtype)
+        if has_values:
             # symlog in float64 keeps the 16 significant digits of the tokenizer's values.
             magnitude = symlog(numeric_values.to(torch.float64)).to(inputs_embeds.dtype)
             embeds = embeds + magnitude.unsqueeze(-1) * self.w_num.to(inputs_embeds.dtype)
@@ -142,6 +147,7 @@ class CausalQwenAction(nn.Module):
         else:
             self.register_buffer("threshold", threshold, persistent=True)
         self.scale_min = config.scale_min
+        self._abs_weight_cache: tuple[tuple, torch.Tensor] | None = None
 
     def noisy_scale(self, scale_u: torch.Tensor) -> torch.Tensor:
         """scale_U' = scale_U + |b_noise|: the noise is Cauchy, so its scale adds to U's."""
@@ -149,8 +155,29 @@ class CausalQwenAction(nn.Module):
 
     def classify(self, loc: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Decision scores `(loc_S, scale_S)` `[..., V]` from a Cauchy input `[..., C]`."""
-        loc_s, scale_s = cauchy_linear(loc, scale, self.cls_head.weight, self.cls_head.bias)
+        weight = self.cls_head.weight
+        if torch.is_grad_enabled() and weight.requires_grad:
+            loc_s, scale_s = cauchy_linear(loc, scale, weight, self.cls_head.bias)
+        else:
+            loc_s = nn.functional.linear(loc, weight, self.cls_head.bias)
+            scale_s = nn.functional.linear(scale, self.abs_cls_weight())
         return loc_s, scale_s.clamp(min=self.scale_min)
+
+    def abs_cls_weight(self) -> torch.Tensor:
+        """|W_cls|, kept between calls while W_cls is unchanged (generation reads it at every step).
+
+        Building |W_cls| costs a pass over the `[V, C]` matrix and a new one of the same size; the cache is keyed
+        by the weight's storage and version counter, so any in-place update (an optimiser step) rebuilds it.
+        `clear_cache()` frees it.
+        """
+        weight = self.cls_head.weight
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+        if self._abs_weight_cache is None or self._abs_weight_cache[0] != key:
+            self._abs_weight_cache = (key, weight.detach().abs())
+        return self._abs_weight_cache[1]
+
+    def clear_cache(self) -> None:
+        self._abs_weight_cache = None
 
     def regress(self, loc: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Regression output `(loc_Y, scale_Y)` `[...]` from a Cauchy input `[..., C]`."""
@@ -437,11 +464,14 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
         if kwargs.get("streamer") is not None and state.num_token_id is not None:
             kwargs["streamer"] = StreamerWithNumbers(kwargs["streamer"], state, numeric_values)
         sampling_rng = global_rng_from(generator if mode == "traditional" else None)
-        with sampling_rng:
-            output = super().generate(
-                inputs, generation_config, numeric_values=numeric_values, generation_state=state,
-                return_dict_in_generate=True, **kwargs,
-            )
+        try:
+            with sampling_rng:
+                output = super().generate(
+                    inputs, generation_config, numeric_values=numeric_values, generation_state=state,
+                    return_dict_in_generate=True, **kwargs,
+                )
+        finally:
+            self.action.clear_cache()
         values, loc_y, scale_y = state.finish(output.sequences)
         if not return_dict:
             return output.sequences

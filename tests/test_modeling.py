@@ -337,3 +337,29 @@ def test_real_qwen25_init_matches_qwen(qwen25_dir):
     assert (out.loc_S - reference.logits).abs().max().item() <= 1e-5
     assert (out.loc_U - reference.hidden_states[-1]).abs().max().item() <= 1e-5
     assert torch.isfinite(out.scale_S).all() and torch.isfinite(out.loc_Y).all()
+
+
+def test_abs_weight_cache_follows_weight_updates(tiny_qwen):
+    model = build(tiny_qwen)
+    ids = torch.randint(0, 100, (1, 5))
+    with torch.no_grad():
+        first = model(ids)
+        model.action.cls_head.weight.mul_(-3.0)  # in place, as an optimiser step would
+        second = model(ids)
+        expected = (first.scale_U + model.action.b_noise.abs()) @ model.action.cls_head.weight.abs().T
+    torch.testing.assert_close(second.scale_S, expected.clamp(min=model.config.scale_min))
+    torch.testing.assert_close(second.scale_S, 3.0 * first.scale_S)
+    model.action.clear_cache()
+    assert model.action._abs_weight_cache is None
+
+
+def test_text_only_training_step_skips_the_backbone_backward(tiny_qwen):
+    model = build(tiny_qwen, freeze_backbone=True).train()
+    ids = torch.randint(0, 100, (2, 6))
+    out = model(ids, labels=ids)
+    assert model.numeric_embedding.w_num.grad is None
+    # No number anywhere: the embedding output does not depend on any trainable parameter.
+    emb = model.numeric_embedding(model.model.embed_tokens(ids), ids, torch.zeros(2, 6, dtype=torch.float64))
+    assert not emb.requires_grad
+    out.loss.backward()
+    assert model.numeric_embedding.d_num.grad is None and model.action.cls_head.weight.grad is not None
