@@ -4,8 +4,9 @@
 module adds is decided per step at the last position only:
 
 - which decision scores the loop sees as `logits`: `loc_S` in `traditional` mode (softmax as in Qwen2),
-  `log P_k` (the One-vs-Rest log-probabilities) in `standard` and `causal` mode, whose argmax is the
-  argmax of P_k;
+  and in `standard` and `causal` mode the standardised margins z_k = (loc_S,k − C_k) / scale_S,k: P_k =
+  1/2 + atan(z_k)/π is increasing in z_k, so argmax z is exactly argmax P, without the transcendental
+  functions and without P's loss of resolution near 1;
 - the random draws of `causal` mode and of `shared_noise`, from the caller's `torch.Generator`;
 - the numbers: when the chosen token is `<NUM>`, the mode's predicted value becomes its
   `numeric_values` entry and enters the next step through the numeric embedding.
@@ -22,7 +23,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer, TextStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cauchy import ovr_log_probs, standard_from_uniform
+from .cauchy import standard_from_uniform
 
 GENERATION_MODES = ("standard", "causal", "traditional")
 
@@ -153,7 +154,7 @@ class CausalGenerationState:
         if self.mode == "traditional":
             logits = loc_s
         else:
-            logits = ovr_log_probs(loc_s.float(), scale_s.float(), action.threshold.float())[0]
+            logits = (loc_s.float() - action.threshold.float()) / scale_s.float()
         return {"logits": logits, "loc_S": loc_s, "scale_S": scale_s, "loc_Y": loc_y, "scale_Y": scale_y}
 
     def _draw(self, like: torch.Tensor) -> torch.Tensor:

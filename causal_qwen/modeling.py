@@ -168,7 +168,8 @@ class CausalQwenAction(nn.Module):
 
         Building |W_cls| costs a pass over the `[V, C]` matrix and a new one of the same size; the cache is keyed
         by the weight's storage and version counter, so any in-place update (an optimiser step) rebuilds it.
-        `clear_cache()` frees it.
+        The cache outlives a `generate` call, so that the next one does not pay for it again; `clear_cache()` frees
+        it, and so does switching the model to training mode.
         """
         weight = self.cls_head.weight
         key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
@@ -275,6 +276,11 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
         if kwargs.get("is_main_process", True):
             write_model_card(save_directory, self.config)
         return result
+
+    def train(self, mode: bool = True):
+        if mode:
+            self.action.clear_cache()  # training steps read W_cls itself, never the cached |W_cls|
+        return super().train(mode)
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.action.cls_head
@@ -464,14 +470,11 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
         if kwargs.get("streamer") is not None and state.num_token_id is not None:
             kwargs["streamer"] = StreamerWithNumbers(kwargs["streamer"], state, numeric_values)
         sampling_rng = global_rng_from(generator if mode == "traditional" else None)
-        try:
-            with sampling_rng:
-                output = super().generate(
-                    inputs, generation_config, numeric_values=numeric_values, generation_state=state,
-                    return_dict_in_generate=True, **kwargs,
-                )
-        finally:
-            self.action.clear_cache()
+        with sampling_rng:
+            output = super().generate(
+                inputs, generation_config, numeric_values=numeric_values, generation_state=state,
+                return_dict_in_generate=True, **kwargs,
+            )
         values, loc_y, scale_y = state.finish(output.sequences)
         if not return_dict:
             return output.sequences

@@ -1,0 +1,74 @@
+"""Generation speed: CausalQwen in standard mode against Qwen2ForCausalLM's greedy search, tokens per second.
+
+Both models are built in one process from the same random Qwen2.5-0.5B-shaped weights (CausalQwen with
+`from_qwen`), take the same prompts, and generate exactly `--new-tokens` tokens with the KV cache; runs
+alternate between the two and the median is kept. CausalQwen computes its heads at the last position only, and
+reads the classification matrix twice per token (W_cls for loc_S and |W_cls| for scale_S) where Qwen2 reads its
+lm_head once: that extra read is the floor of the gap.
+
+    python benchmarks/bench_generation.py              # 24 layers
+    python benchmarks/bench_generation.py --layers 4   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+from bench_training_step import qwen25_config
+from transformers import Qwen2ForCausalLM
+
+from causal_qwen import CausalQwenForCausalLM
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--prompt-length", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    qwen = Qwen2ForCausalLM(qwen25_config(args.layers)).eval()
+    causal = CausalQwenForCausalLM.from_qwen(qwen, num_token_id=151_665).eval()
+    common = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens, "pad_token_id": 0,
+              "eos_token_id": None}
+    print(f"generation, {args.layers} layers, prompt {args.prompt_length}, {args.new_tokens} new tokens, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}")
+    header = f"{'batch':>5}{'Qwen2 tok/s':>13}{'Causal tok/s':>14}{'ratio':>8}"
+    print(header)
+    print("-" * len(header))
+    for batch in args.batches:
+        ids = torch.randint(0, 151_000, (batch, args.prompt_length), generator=torch.Generator().manual_seed(batch))
+        mask = torch.ones_like(ids)
+
+        def run_qwen(ids=ids, mask=mask):
+            qwen.generate(ids, attention_mask=mask, do_sample=False, **common)
+
+        def run_causal(ids=ids, mask=mask):
+            causal.generate(ids, attention_mask=mask, mode="standard", **common)
+
+        run_qwen(), run_causal()  # warm-up
+        qwen_s, causal_s = [], []
+        for _ in range(args.repeats):
+            qwen_s.append(timed(run_qwen))
+            causal_s.append(timed(run_causal))
+        tokens = batch * args.new_tokens
+        q, c = tokens / statistics.median(qwen_s), tokens / statistics.median(causal_s)
+        print(f"{batch:>5}{q:>13.1f}{c:>14.1f}{c / q:>7.2f}x")
+    print("goal: ratio >= 0.8x")
+
+
+if __name__ == "__main__":
+    main()
