@@ -10,6 +10,7 @@ from transformers import Qwen2Config
 VALUE_TRANSFORMS = ("identity", "symlog")
 _FLOAT_FIELDS = (
     "abduction_scale_init", "noise_init", "ovr_threshold", "gate_alpha", "reg_loss_weight", "scale_min",
+    "abduction_anchor_weight",
 )
 
 
@@ -49,6 +50,10 @@ class CausalQwenConfig(Qwen2Config):
         value_transform (`str`):
             `"identity"`: the regression head models the value itself; `"symlog"`: it models
             `sign(v)·ln(1 + |v|)`, and values are mapped back by the inverse.
+        abduction_anchor_weight (`float`, defaults to 0.0):
+            β of the abduction anchor (DESIGN.md §4, §7): when positive, the model keeps a frozen copy of its
+            abduction network (`abduction_anchor`) and the loss adds β times the mean over labelled positions of
+            Σ_c KL(U ‖ U⁰). Set by [`CausalQwenForCausalLM.enable_abduction_finetuning`].
 
     Example:
 
@@ -80,6 +85,7 @@ class CausalQwenConfig(Qwen2Config):
     detach_gate: bool = True
     scale_min: float = 1e-6
     value_transform: str = "symlog"
+    abduction_anchor_weight: float = 0.0
 
     def __post_init__(self, **kwargs):
         if self.causal_size is None:
@@ -106,7 +112,7 @@ class CausalQwenConfig(Qwen2Config):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite positive number, got {value}")
-        for name in ("noise_init", "reg_loss_weight"):
+        for name in ("noise_init", "reg_loss_weight", "abduction_anchor_weight"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite non-negative number, got {value}")

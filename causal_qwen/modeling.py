@@ -21,8 +21,8 @@ from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.qwen2.modeling_qwen2 import Qwen2PreTrainedModel
 from transformers.utils import ModelOutput, can_return_tuple
 
+from .cauchy import kl_divergence, ovr_probability, quantile, symexp, symlog
 from .cauchy import linear as cauchy_linear
-from .cauchy import ovr_probability, quantile, symexp, symlog
 from .chunked_loss import chunked_causal_qwen_loss
 from .configuration import CausalQwenConfig
 from .generation import (
@@ -32,7 +32,7 @@ from .generation import (
     check_generation_options,
     global_rng_from,
 )
-from .loss import IGNORE_INDEX, causal_qwen_loss
+from .loss import IGNORE_INDEX, causal_qwen_loss, safe_mean
 from .modelcard import write_model_card
 
 __all__ = ["CausalQwenOutput", "CausalQwenPreTrainedModel", "CausalQwenForCausalLM"]
@@ -221,11 +221,11 @@ class CausalQwenPreTrainedModel(Qwen2PreTrainedModel):
         `transformers.initialization` leave tensors loaded from a checkpoint untouched.
         """
         config = self.config
-        abduction = getattr(self, "abduction", None)
-        if abduction is not None and module is abduction.loc_net:
+        abductions = [a for a in (getattr(self, "abduction", None), getattr(self, "abduction_anchor", None)) if a]
+        if any(module is a.loc_net for a in abductions):
             init.eye_(module.weight)
             init.zeros_(module.bias)
-        elif abduction is not None and module is abduction.scale_net:
+        elif any(module is a.scale_net for a in abductions):
             init.zeros_(module.weight)
             init.constant_(module.bias, inverse_softplus(config.abduction_scale_init))
         elif isinstance(module, CausalQwenNumericEmbedding):
@@ -243,7 +243,7 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
 
     State-dict layout (a public contract): `model.*` is the Qwen2 backbone with Qwen2's key names;
     `numeric_embedding.{w_num,d_num}`; `abduction.{loc_net,scale_net}`;
-    `action.{cls_head,reg_head,b_noise,threshold}`.
+    `action.{cls_head,reg_head,b_noise,threshold}`; with an abduction anchor, `abduction_anchor.*`.
     """
 
     def __init__(self, config: CausalQwenConfig):
@@ -255,12 +255,35 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
         self.numeric_embedding = CausalQwenNumericEmbedding(config) if config.use_numeric else None
         self.abduction = CausalQwenAbduction(config)
         self.action = CausalQwenAction(config)
+        self.abduction_anchor = CausalQwenAbduction(config) if config.abduction_anchor_weight > 0 else None
         self.post_init()
         self.apply_freeze_backbone()
 
+    def enable_abduction_finetuning(self, anchor_weight: float = 1.0, reset_anchor: bool = False) -> None:
+        """Train the abduction network only, anchored to where it starts (DESIGN.md §7).
+
+        Every parameter but `abduction.loc_net` and `abduction.scale_net` is frozen; a frozen copy of the current
+        abduction network becomes `abduction_anchor`, and the loss gains `anchor_weight` times the mean over
+        labelled positions of Σ_c KL(Cauchy(loc_U, scale_U) ‖ Cauchy(loc_U⁰, scale_U⁰)), which is 0 at the start
+        and keeps U close to the base abduction (a guard against forgetting when adapting to a new domain).
+        An anchor the model already has (e.g. loaded with a checkpoint saved mid-way) is kept unless
+        `reset_anchor=True`.
+        """
+        if not anchor_weight >= 0:
+            raise ValueError(f"anchor_weight must be a non-negative number, got {anchor_weight}")
+        self.config.abduction_anchor_weight = float(anchor_weight)
+        self.requires_grad_(False)
+        self.abduction.requires_grad_(True)
+        if anchor_weight == 0:
+            self.abduction_anchor = None
+        elif self.abduction_anchor is None or reset_anchor:
+            self.abduction_anchor = copy.deepcopy(self.abduction).requires_grad_(False)
+
     def apply_freeze_backbone(self) -> None:
-        """Set `requires_grad` of the backbone from `config.freeze_backbone`."""
+        """Set `requires_grad` of the backbone from `config.freeze_backbone`, and keep any anchor frozen."""
         self.model.requires_grad_(not self.config.freeze_backbone)
+        if self.abduction_anchor is not None:
+            self.abduction_anchor.requires_grad_(False)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
@@ -383,6 +406,9 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
             else:
                 losses = chunked_causal_qwen_loss(loc_u, scale_u, labels, numeric_labels, action=self.action,
                                                   **options)
+            if self.abduction_anchor is not None:
+                anchor_loss = self._anchor_loss(hidden_states, loc_u, scale_u, labels)
+                losses.loss = losses.loss + self.config.abduction_anchor_weight * anchor_loss
 
         return CausalQwenOutput(
             loss=losses.loss if losses is not None else None,
@@ -399,6 +425,17 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+
+    def _anchor_loss(
+        self, hidden_states: torch.Tensor, loc_u: torch.Tensor, scale_u: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        """Mean over positions with a (shifted) label of Σ_c KL(U ‖ U⁰), U⁰ from the frozen anchor."""
+        with torch.no_grad():
+            anchor_loc, anchor_scale = self.abduction_anchor(hidden_states)
+        kl = kl_divergence(loc_u.float(), scale_u.float(), anchor_loc.float(), anchor_scale.float()).sum(-1)
+        valid = torch.zeros_like(labels, dtype=torch.bool)
+        valid[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+        return safe_mean(kl[valid].sum(), valid.sum())
 
     def prepare_inputs_for_generation(
         self,

@@ -363,3 +363,46 @@ def test_text_only_training_step_skips_the_backbone_backward(tiny_qwen):
     assert not emb.requires_grad
     out.loss.backward()
     assert model.numeric_embedding.d_num.grad is None and model.action.cls_head.weight.grad is not None
+
+
+def test_abduction_finetuning_with_kl_anchor(tiny_qwen, tmp_path):
+    model = build(tiny_qwen).train()
+    model.enable_abduction_finetuning(anchor_weight=0.5)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {"abduction.loc_net.weight", "abduction.loc_net.bias", "abduction.scale_net.weight",
+                         "abduction.scale_net.bias"}
+    ids = torch.randint(0, 100, (2, 6))
+    labels = ids.clone()
+    labels[0, :2] = -100
+    # At the start the anchor equals the abduction network: the KL term and its gradient vanish.
+    with_anchor = model(ids, labels=labels, output_distributions=True)
+    model.abduction_anchor, anchor = None, model.abduction_anchor
+    without = model(ids, labels=labels, output_distributions=True)
+    model.abduction_anchor = anchor
+    assert with_anchor.loss.item() == pytest.approx(without.loss.item(), rel=1e-6)
+    # Move the abduction network: the loss grows by β · mean over labelled positions of Σ_c KL (closed form).
+    with torch.no_grad():
+        model.abduction.loc_net.bias.add_(0.3)
+        model.abduction.scale_net.bias.add_(0.7)
+    out = model(ids, labels=labels, output_distributions=True)
+    model.abduction_anchor = None
+    plain = model(ids, labels=labels, output_distributions=True)
+    model.abduction_anchor = anchor
+    with torch.no_grad():
+        z = tiny_qwen.model(ids).last_hidden_state.double()
+        g0 = model.config.abduction_scale_init
+        g1 = torch.nn.functional.softplus(model.abduction.scale_net.bias.double()).expand_as(z)
+        kl = torch.log(((g1 + g0) ** 2 + 0.3**2) / (4 * g1 * g0)).sum(-1)
+    valid = labels[:, 1:] != -100
+    expected = plain.loss.item() + 0.5 * kl[:, :-1][valid].mean().item()
+    assert out.loss.item() == pytest.approx(expected, rel=1e-5)
+    out.loss.backward()
+    assert model.abduction.loc_net.bias.grad is not None and model.action.cls_head.weight.grad is None
+    # The anchor is saved and comes back; re-enabling keeps it.
+    model.save_pretrained(tmp_path)
+    reloaded = CausalQwenForCausalLM.from_pretrained(tmp_path)
+    assert reloaded.config.abduction_anchor_weight == 0.5
+    torch.testing.assert_close(reloaded.abduction_anchor.scale_net.bias, anchor.scale_net.bias)
+    reloaded.enable_abduction_finetuning(anchor_weight=0.5)
+    torch.testing.assert_close(reloaded.abduction_anchor.loc_net.bias, anchor.loc_net.bias)
+    assert not any(p.requires_grad for p in reloaded.abduction_anchor.parameters())
