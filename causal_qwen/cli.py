@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("model", help="CausalQwen folder to start from")
     train.add_argument("output", help="folder for checkpoints and the final model")
     _add_data_arguments(train, default_split="train", default_n=2000)
-    train.add_argument("--eval-data", help="evaluation data (same forms as --data); default: corpus validation")
+    train.add_argument("--eval-data", help="evaluation data (same forms as --data; 'corpus' is its validation "
+                                          "split); default: the corpus validation split when training on the corpus")
     train.add_argument("--max-steps", type=int, default=100)
     train.add_argument("--batch-size", type=int, default=8)
     train.add_argument("--learning-rate", type=float, default=1e-3)
@@ -183,10 +184,9 @@ def run_train(args) -> int:
     model, tokenizer = _load(args.model)
     model.train()
     train_features = tokenize_texts(tokenizer, _texts(args), args.max_length)
-    if args.eval_data:
-        eval_args = argparse.Namespace(**{**vars(args), "data": args.eval_data})
-        eval_texts = _texts(eval_args)
-    elif args.data == "corpus":
+    if args.eval_data and args.eval_data != "corpus":
+        eval_texts = _texts(argparse.Namespace(**{**vars(args), "data": args.eval_data}))
+    elif args.eval_data == "corpus" or args.data == "corpus":
         eval_texts = _texts(args, split="validation", n=max(16, args.num_examples // 10))
     else:
         eval_texts = []

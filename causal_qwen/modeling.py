@@ -407,8 +407,10 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
                 losses = chunked_causal_qwen_loss(loc_u, scale_u, labels, numeric_labels, action=self.action,
                                                   **options)
             if self.abduction_anchor is not None:
-                anchor_loss = self._anchor_loss(hidden_states, loc_u, scale_u, labels)
+                anchor_loss = self._anchor_loss(hidden_states, loc_u, scale_u, labels, num_items_in_batch)
                 losses.loss = losses.loss + self.config.abduction_anchor_weight * anchor_loss
+            if self.training:
+                losses.loss = losses.loss + self._touch_data_dependent_parameters()
 
         return CausalQwenOutput(
             loss=losses.loss if losses is not None else None,
@@ -427,15 +429,38 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
         )
 
     def _anchor_loss(
-        self, hidden_states: torch.Tensor, loc_u: torch.Tensor, scale_u: torch.Tensor, labels: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        loc_u: torch.Tensor,
+        scale_u: torch.Tensor,
+        labels: torch.Tensor,
+        num_items_in_batch: int | torch.Tensor | None,
     ) -> torch.Tensor:
-        """Mean over positions with a (shifted) label of Σ_c KL(U ‖ U⁰), U⁰ from the frozen anchor."""
+        """Mean over positions with a (shifted) label of Σ_c KL(U ‖ U⁰), U⁰ from the frozen anchor.
+
+        With `num_items_in_batch` (Trainer with gradient accumulation or several devices) the sum is divided by
+        it instead, like the classification loss, so that summing micro-batch losses gives the overall mean.
+        """
         with torch.no_grad():
             anchor_loc, anchor_scale = self.abduction_anchor(hidden_states)
         kl = kl_divergence(loc_u.float(), scale_u.float(), anchor_loc.float(), anchor_scale.float()).sum(-1)
         valid = torch.zeros_like(labels, dtype=torch.bool)
         valid[:, :-1] = labels[:, 1:] != IGNORE_INDEX
-        return safe_mean(kl[valid].sum(), valid.sum())
+        denominator = num_items_in_batch if num_items_in_batch is not None else valid.sum()
+        return safe_mean(kl[valid].sum(), denominator)
+
+    def _touch_data_dependent_parameters(self) -> torch.Tensor:
+        """0 · (sum of the parameters a batch may leave unused), to add to a training loss.
+
+        A batch without numbers leaves the numeric embedding out of the graph, and one without a `<NUM>` target
+        leaves the regression head out. Distributed data parallel training waits for a gradient of every
+        trainable parameter (unless told to look for unused ones, which it is not under activation
+        checkpointing), so each training loss touches them; their gradient is then exactly 0, and no backward
+        pass through the backbone is added.
+        """
+        modules = (self.numeric_embedding, self.action.reg_head)
+        touched = [p.sum() for m in modules if m is not None for p in m.parameters() if p.requires_grad]
+        return 0.0 * torch.stack(touched).sum() if touched else torch.zeros(())
 
     def prepare_inputs_for_generation(
         self,
@@ -498,6 +523,14 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
             raise ValueError("num_beams > 1 is not supported: beams would reorder the numbers of each sequence")
         if mode != "traditional":
             kwargs["do_sample"] = False
+            copies = kwargs.pop("num_return_sequences", None) or getattr(generation_config, "num_return_sequences", 1)
+            if copies > 1:
+                # Greedy search refuses several sequences per prompt; here each copy draws its own ε (causal) or
+                # noise (shared_noise), so repeat the prompts instead.
+                if generation_config is not None:
+                    generation_config = copy.deepcopy(generation_config)
+                    generation_config.num_return_sequences = 1
+                inputs, numeric_values, kwargs = _repeat_prompts(copies, inputs, numeric_values, kwargs)
         config = generation_config if generation_config is not None else self.generation_config
         return_dict = kwargs.pop("return_dict_in_generate", config.return_dict_in_generate)
         state = CausalGenerationState(
@@ -618,6 +651,15 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
         _copy_qwen_weights(source, model, base_vocab)
         model.generation_config = copy.deepcopy(source.generation_config)
         return model
+
+
+def _repeat_prompts(copies: int, inputs, numeric_values, kwargs: dict):
+    """Repeat every prompt row `copies` times (ids, attention mask, numbers), as `num_return_sequences` would."""
+    def repeat(x):
+        return x.repeat_interleave(copies, dim=0) if isinstance(x, torch.Tensor) else x
+
+    kwargs = {**kwargs, **{k: repeat(kwargs[k]) for k in ("input_ids", "attention_mask") if k in kwargs}}
+    return repeat(inputs), repeat(numeric_values), kwargs
 
 
 def _check_ids(name: str, ids: torch.Tensor, vocab_size: int, allow_ignore: bool) -> None:

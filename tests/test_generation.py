@@ -166,6 +166,11 @@ def test_without_return_dict_returns_ids_and_num_return_sequences(model):
               max_new_tokens=3)
     assert isinstance(out, CausalQwenGenerateOutput)
     assert out.sequences.shape == (6, 11) and out.numeric_values.shape == (6, 11)
+    # In causal mode each returned sequence is its own individual: copies of one prompt may differ.
+    causal = gen(model, ids, mask, numeric_values=values, mode="causal", num_return_sequences=4, max_new_tokens=6)
+    assert causal.sequences.shape == (12, 14)
+    assert torch.equal(causal.sequences[:4, :8], ids[:1].expand(4, 8))
+    assert len({tuple(row) for row in causal.sequences[:4, 8:].tolist()}) > 1
 
 
 def test_eos_stops_and_pads(model):

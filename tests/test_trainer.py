@@ -27,6 +27,16 @@ def test_ddp_two_processes_equal_single_process(tmp_path):
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6)
 
 
+def test_ddp_with_checkpointing_and_a_rank_without_numbers_finishes(tmp_path):
+    # Under activation checkpointing DDP does not look for unused parameters: every trainable parameter must get
+    # a gradient on every rank, even when a rank's batch has no number at all.
+    out = tmp_path / "uneven.pt"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(WORKER), str(out),
+                    "2", "--uneven"], check=True, capture_output=True, timeout=300)
+    params = torch.load(out)
+    assert all(torch.isfinite(p).all() for p in params.values())
+
+
 @pytest.fixture
 def model(tiny_qwen):
     return CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM, ovr_threshold=1.0, abduction_scale_init=0.1)
