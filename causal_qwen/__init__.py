@@ -6,6 +6,7 @@ from .configuration import CausalQwenConfig
 from .modeling import CausalQwenForCausalLM, CausalQwenOutput, CausalQwenPreTrainedModel
 from .pipeline import CausalQwenTextGenerationPipeline, register_pipeline
 from .tokenization import CausalQwenTokenizer
+from .training import CausalQwenTrainer
 
 AutoConfig.register(CausalQwenConfig.model_type, CausalQwenConfig, exist_ok=True)
 AutoModelForCausalLM.register(CausalQwenConfig, CausalQwenForCausalLM, exist_ok=True)
@@ -24,5 +25,6 @@ __all__ = [
     "CausalQwenPreTrainedModel",
     "CausalQwenTextGenerationPipeline",
     "CausalQwenTokenizer",
+    "CausalQwenTrainer",
 ]
 __version__ = "0.1.0"

@@ -175,11 +175,12 @@ def _texts(args, split: str | None = None, n: int | None = None) -> list[str]:
 
 
 def run_train(args) -> int:
-    from transformers import Trainer, TrainingArguments
+    from transformers import TrainingArguments
 
     from .data import CausalQwenDataCollator
     from .data.texts import tokenize_texts
     from .plots import plot_loss_curves
+    from .training import CausalQwenTrainer
 
     model, tokenizer = _load(args.model)
     model.train()
@@ -197,8 +198,9 @@ def run_train(args) -> int:
         logging_steps=max(1, args.max_steps // 20), eval_strategy="steps" if eval_features else "no",
         eval_steps=max(1, args.max_steps // 4), save_strategy="no", report_to=args.report_to,
     )
-    trainer = Trainer(model=model, args=training_args, train_dataset=train_features, eval_dataset=eval_features,
-                      data_collator=CausalQwenDataCollator.from_tokenizer(tokenizer))
+    collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
+    trainer = CausalQwenTrainer(model=model, args=training_args, train_dataset=train_features,
+                                eval_dataset=eval_features, data_collator=collator)
     trainer.train()
     model.save_pretrained(args.output)
     tokenizer.save_pretrained(args.output)

@@ -12,6 +12,7 @@ from transformers import Trainer, TrainingArguments
 from causal_qwen import CausalQwenForCausalLM
 from causal_qwen.data.collator import CausalQwenDataCollator
 from causal_qwen.metrics import CausalQwenMetrics
+from causal_qwen.training import CausalQwenTrainer
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 
@@ -81,3 +82,19 @@ def test_trainer_evaluation_reports_loss_and_metrics(model, tmp_path):
     with torch.no_grad():
         direct = model(**batch)
     assert result["eval_loss"] == pytest.approx(direct.loss.item(), rel=1e-5)
+
+
+def test_causal_qwen_trainer_logs_the_loss_parts(model, tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=4, learning_rate=1e-2,
+                             report_to=[], save_strategy="no", logging_steps=2, use_cpu=True, disable_tqdm=True)
+    trainer = CausalQwenTrainer(model=model, args=args, train_dataset=dataset(16),
+                                data_collator=CausalQwenDataCollator(0))
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "train/cls_loss_mean" in entry]
+    assert len(logged) == 2
+    for entry in logged:
+        assert entry["train/reg_loss_effective"] > 0
+        # Without gradient accumulation the total is the classification part plus λ times the regression part.
+        assert entry["train/total_loss"] == pytest.approx(
+            entry["train/cls_loss_mean"] + model.config.reg_loss_weight * entry["train/reg_loss_effective"], rel=1e-4)
+        assert entry["loss"] == pytest.approx(entry["train/total_loss"], rel=1e-3)
