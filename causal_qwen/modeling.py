@@ -650,7 +650,7 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
             model = cls(config).to(source.dtype)
         _copy_qwen_weights(source, model, base_vocab)
         model.generation_config = copy.deepcopy(source.generation_config)
-        return model
+        return model.eval()  # as `from_pretrained` returns models
 
 
 def _repeat_prompts(copies: int, inputs, numeric_values, kwargs: dict):
