@@ -52,7 +52,10 @@ def plot_predictions(model, stats: torch.Tensor, path: str | Path) -> Path:
         order = torch.argsort(true)
         t = true[order].numpy()
         for low, high, alpha, label in ((low90, high90, 0.2, "90% interval"), (low50, high50, 0.5, "50% interval")):
-            ax.vlines(t, low[order].numpy(), high[order].numpy(), color="tab:blue", alpha=alpha, lw=3, label=label)
+            # Say how often the interval holds the truth: a too narrow interval is invisible on the plot.
+            covered = ((true >= low) & (true <= high)).double().mean().item()
+            ax.vlines(t, low[order].numpy(), high[order].numpy(), color="tab:blue", alpha=alpha, lw=3,
+                      label=f"{label} (covers {covered:.0%})")
         ax.scatter(t, median[order].numpy(), s=10, color="tab:red", zorder=3, label="predicted median")
         lo, hi = float(true.min()), float(true.max())
         ax.plot([lo, hi], [lo, hi], color="k", lw=1, ls="--", label="y = x")
