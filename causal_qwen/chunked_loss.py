@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .cauchy import ovr_log_probs, ovr_probability
-from .loss import IGNORE_INDEX, CausalLoss, regression_nll, safe_mean, shift_targets
+from .loss import IGNORE_INDEX, CausalLoss, combine_losses, regression_nll, shift_targets
 
 if TYPE_CHECKING:
     from .modeling import CausalQwenAction
@@ -605,28 +605,19 @@ def chunked_causal_qwen_loss(
         loc_u, scale_noisy, weight, bias, action.threshold, targets, scale_min=action.scale_min,
         chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size, memory_budget=memory_budget,
     )
-    cls_denominator = num_items_in_batch if num_items_in_batch is not None else valid_count
-    cls_loss = safe_mean(loss_sum, cls_denominator)
-
-    reg_loss = cls_loss.new_zeros(())
+    nll = p_num = None
     if num_token_id is not None and action.reg_head is not None and shifted_values is not None:
         num_mask = targets == num_token_id
-        if num_mask.any():
-            values = torch.nn.functional.pad(shifted_values, (0, 1))[num_mask]
-            loc_rows, scale_rows = loc_u[num_mask], scale_noisy[num_mask]
-            loc_y, scale_y = action.regress(loc_rows, scale_rows)
-            nll = regression_nll(loc_y, scale_y, values, value_transform)
-            with torch.set_grad_enabled(torch.is_grad_enabled() and not detach_gate):
-                p_num = ovr_class_probability(loc_rows, scale_rows, weight, bias, action.threshold, num_token_id,
-                                              scale_min=action.scale_min)
-            gate = gate_alpha + (1.0 - gate_alpha) * p_num
-            reg_loss = (gate * nll).sum() / num_mask.sum()
-
-    reg_in_total = reg_loss
-    if num_items_in_batch is not None:
-        # As in `causal_qwen_loss`: the regression mean enters weighted by this batch's share of positions.
-        reg_in_total = reg_loss * safe_mean(valid_count.to(reg_loss.dtype), num_items_in_batch)
-    return CausalLoss(loss=cls_loss + reg_loss_weight * reg_in_total, cls_loss=cls_loss, reg_loss=reg_loss)
+        values = torch.nn.functional.pad(shifted_values, (0, 1))[num_mask]
+        loc_rows, scale_rows = loc_u[num_mask], scale_noisy[num_mask]
+        loc_y, scale_y = action.regress(loc_rows, scale_rows)
+        nll = regression_nll(loc_y, scale_y, values, value_transform)
+        # Only the <NUM> column of the head is needed for the gate; without a gradient unless the gate has one.
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not detach_gate):
+            p_num = ovr_class_probability(loc_rows, scale_rows, weight, bias, action.threshold, num_token_id,
+                                          scale_min=action.scale_min)
+    return combine_losses(loss_sum, valid_count, nll, p_num, gate_alpha=gate_alpha, reg_loss_weight=reg_loss_weight,
+                          detach_gate=detach_gate, num_items_in_batch=num_items_in_batch)
 
 
 def _threshold_tensor(threshold: torch.Tensor | float, vocab: int, device: torch.device) -> torch.Tensor:

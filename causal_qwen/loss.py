@@ -116,27 +116,48 @@ def causal_qwen_loss(
         loc_s.reshape(-1, vocab)[flat_valid], scale_s.reshape(-1, vocab)[flat_valid],
         targets.reshape(-1)[flat_valid], threshold,
     )
-    cls_denominator = num_items_in_batch if num_items_in_batch is not None else flat_valid.sum()
-    cls_loss = safe_mean(cls_per_position.sum(), cls_denominator)
-
-    reg_loss = cls_loss.new_zeros(())
+    nll_values = p_num = None
     if num_token_id is not None and loc_y is not None and target_values is not None:
         num_mask = valid & (targets == num_token_id)
-        if num_mask.any():
-            nll_values = regression_nll(loc_y[:, :-1][num_mask], scale_y[:, :-1][num_mask], target_values[num_mask],
-                                 value_transform)
-            p_num = ovr_probability(
-                loc_s[..., num_token_id][num_mask].float(), scale_s[..., num_token_id][num_mask].float(),
-                _threshold_of(threshold, num_token_id),
-            )
-            if detach_gate:
-                p_num = p_num.detach()
-            gate = gate_alpha + (1.0 - gate_alpha) * p_num
-            reg_loss = (gate * nll_values).sum() / num_mask.sum()
+        nll_values = regression_nll(loc_y[:, :-1][num_mask], scale_y[:, :-1][num_mask], target_values[num_mask],
+                                    value_transform)
+        p_num = ovr_probability(
+            loc_s[..., num_token_id][num_mask].float(), scale_s[..., num_token_id][num_mask].float(),
+            _threshold_of(threshold, num_token_id),
+        )
+    return combine_losses(cls_per_position.sum(), flat_valid.sum(), nll_values, p_num, gate_alpha=gate_alpha,
+                          reg_loss_weight=reg_loss_weight, detach_gate=detach_gate,
+                          num_items_in_batch=num_items_in_batch)
 
+
+def combine_losses(
+    cls_sum: torch.Tensor,
+    valid_count: torch.Tensor,
+    nll: torch.Tensor | None,
+    p_num: torch.Tensor | None,
+    *,
+    gate_alpha: float,
+    reg_loss_weight: float,
+    detach_gate: bool,
+    num_items_in_batch: int | torch.Tensor | None,
+) -> CausalLoss:
+    """The reductions of DESIGN.md §4, shared by the straightforward and the fused path.
+
+    Args:
+        cls_sum: OvR loss summed over the valid positions (fp32 scalar); valid_count: their number.
+        nll, p_num: `[n]` Cauchy NLL and `<NUM>` probability at the positions whose target is `<NUM>`, or None.
+        num_items_in_batch: see `causal_qwen_loss`.
+    """
+    cls_loss = safe_mean(cls_sum, num_items_in_batch if num_items_in_batch is not None else valid_count)
+    reg_loss = cls_loss.new_zeros(())
+    if nll is not None and nll.numel():
+        if detach_gate:
+            p_num = p_num.detach()
+        gate = gate_alpha + (1.0 - gate_alpha) * p_num
+        reg_loss = (gate * nll).sum() / nll.numel()
     reg_in_total = reg_loss
     if num_items_in_batch is not None:
-        reg_in_total = reg_loss * safe_mean(flat_valid.sum().to(reg_loss.dtype), num_items_in_batch)
+        reg_in_total = reg_loss * safe_mean(valid_count.to(reg_loss.dtype), num_items_in_batch)
     return CausalLoss(loss=cls_loss + reg_loss_weight * reg_in_total, cls_loss=cls_loss, reg_loss=reg_loss)
 
 
