@@ -131,7 +131,8 @@ class CausalGenerationState:
             loc_u, scale_u: `[B, n, C]`; only the last position is used.
 
         Returns:
-            `logits` `[B, 1, V]` (the scores the generation loop ranks), `loc_S`, `scale_S` `[B, 1, V]`,
+            `logits` `[B, 1, V]` (the scores the generation loop ranks), `loc_S`, `scale_S` `[B, 1, V]` (None in
+            `traditional` mode, which ranks loc_S alone),
             `loc_Y`, `scale_Y` `[B, 1]` (None without a regression head).
         """
         loc_u, scale_u = loc_u[:, -1:], scale_u[:, -1:]
@@ -144,7 +145,11 @@ class CausalGenerationState:
             loc_in, scale_in = loc_u + action.b_noise.abs().to(loc_u.dtype) * eps_noise, scale_u
         else:
             loc_in, scale_in = loc_u, action.noisy_scale(scale_u)
-        loc_s, scale_s = action.classify(loc_in, scale_in)
+        if self.mode == "traditional":
+            # The softmax needs loc_S only: skip the pass over |W_cls| that scale_S would cost.
+            loc_s, scale_s = torch.nn.functional.linear(loc_in, action.cls_head.weight, action.cls_head.bias), None
+        else:
+            loc_s, scale_s = action.classify(loc_in, scale_in)
         loc_y = scale_y = None
         if action.reg_head is not None:
             loc_y, scale_y = action.regress(loc_in, scale_in)
