@@ -8,6 +8,7 @@ lm_head once: that extra read is the floor of the gap.
 
     python benchmarks/bench_generation.py              # 24 layers
     python benchmarks/bench_generation.py --layers 4   # quick
+    python benchmarks/bench_generation.py --device cuda --dtype bfloat16 --batches 1 8 64
 """
 
 from __future__ import annotations
@@ -24,9 +25,14 @@ from transformers import Qwen2ForCausalLM
 from causal_qwen import CausalQwenForCausalLM
 
 
-def timed(fn) -> float:
+def timed(fn, device: str) -> float:
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     fn()
+    if cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -37,20 +43,26 @@ def main() -> None:
     parser.add_argument("--prompt-length", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     qwen = Qwen2ForCausalLM(qwen25_config(args.layers)).eval()
     causal = CausalQwenForCausalLM.from_qwen(qwen, num_token_id=151_665).eval()
+    dtype = getattr(torch, args.dtype)
+    qwen, causal = qwen.to(args.device, dtype), causal.to(args.device, dtype)
     common = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens, "pad_token_id": 0,
               "eos_token_id": None}
     print(f"generation, {args.layers} layers, prompt {args.prompt_length}, {args.new_tokens} new tokens, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}")
+          f"{args.dtype}, torch {torch.__version__}, "
+          f"{torch.cuda.get_device_name() if args.device.startswith('cuda') else platform.machine()}")
     header = f"{'batch':>5}{'Qwen2 tok/s':>13}{'Causal tok/s':>14}{'ratio':>8}"
     print(header)
     print("-" * len(header))
     for batch in args.batches:
         ids = torch.randint(0, 151_000, (batch, args.prompt_length), generator=torch.Generator().manual_seed(batch))
+        ids = ids.to(args.device)
         mask = torch.ones_like(ids)
 
         def run_qwen(ids=ids, mask=mask):
@@ -62,8 +74,8 @@ def main() -> None:
         run_qwen(), run_causal()  # warm-up
         qwen_s, causal_s = [], []
         for _ in range(args.repeats):
-            qwen_s.append(timed(run_qwen))
-            causal_s.append(timed(run_causal))
+            qwen_s.append(timed(run_qwen, args.device))
+            causal_s.append(timed(run_causal, args.device))
         tokens = batch * args.new_tokens
         q, c = tokens / statistics.median(qwen_s), tokens / statistics.median(causal_s)
         print(f"{batch:>5}{q:>13.1f}{c:>14.1f}{c / q:>7.2f}x")

@@ -168,7 +168,10 @@ class CausalGenerationState:
         if shared and self.shared_draw is not None:
             return self.shared_draw
         shape = (like.shape[0], like.shape[-1])
-        eps = torch.rand(shape, generator=self.generator, device=like.device, dtype=torch.float32).to(like.dtype)
+        # Draw where the generator lives (a CPU generator may drive a model on a GPU), then move.
+        where = self.generator.device if self.generator is not None else like.device
+        eps = torch.rand(shape, generator=self.generator, device=where, dtype=torch.float32)
+        eps = eps.to(like.device, like.dtype)
         if shared:
             self.shared_draw = eps
         return eps
@@ -236,7 +239,8 @@ def global_rng_from(generator: torch.Generator | None) -> Iterator[None]:
         yield
         return
     seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
-    devices = [generator.device] if generator.device.type == "cuda" else []
+    # torch.manual_seed seeds every CUDA device too: fork them all so that the caller's states come back.
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield

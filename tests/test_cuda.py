@@ -1,0 +1,180 @@
+"""The model on a CUDA device: the same numbers as on the CPU, bf16 that stays finite and close, generation.
+
+These tests need a GPU (`pytest -m cuda` on a machine with one); elsewhere they are reported as skipped.
+Every comparison is against the CPU computation of the same model or against Qwen2 on the same device.
+"""
+
+import pytest
+import torch
+from transformers import Qwen2ForCausalLM, Trainer, TrainingArguments
+
+from causal_qwen import CausalQwenForCausalLM
+from causal_qwen.chunked_loss import chunked_causal_qwen_loss
+from causal_qwen.data import CausalQwenDataCollator
+from causal_qwen.loss import causal_qwen_loss
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+NUM = 120
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def _exact_matmul():
+    """Full-precision fp32 products, so that CPU and GPU are compared on their arithmetic, not TF32."""
+    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+
+
+def build(tiny_qwen, **overrides) -> CausalQwenForCausalLM:
+    """A tiny CausalQwen whose decisions depend on the context, with a non-trivial regression head."""
+    fields = dict(ovr_threshold=0.5, abduction_scale_init=0.3, noise_init=0.05) | overrides
+    model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM, **fields)
+    with torch.no_grad():
+        model.action.reg_head.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(5))
+    return model
+
+
+def batch_with_numbers(seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 100, (3, 12), generator=g)
+    ids[:, 5] = NUM
+    ids[1, 9] = NUM
+    values = torch.zeros(3, 12, dtype=torch.float64)
+    values[:, 5] = torch.tensor([3.5, -250.0, 1e6], dtype=torch.float64)
+    values[1, 9] = 0.125
+    labels = ids.clone()
+    labels[2, :4] = -100
+    return {"input_ids": ids, "numeric_values": values, "labels": labels}
+
+
+def to(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def loss_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_forward_outputs_equal_the_cpu(tiny_qwen):
+    model = build(tiny_qwen).eval()
+    batch = batch_with_numbers()
+    batch.pop("labels")
+    with torch.no_grad():
+        cpu = model(**batch)
+        gpu = model.to(CUDA)(**to(batch, CUDA))
+    for name in ("loc_S", "scale_S", "loc_Y", "scale_Y", "loc_U", "scale_U"):
+        torch.testing.assert_close(getattr(gpu, name).cpu(), getattr(cpu, name), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_training_loss_and_gradients_equal_the_cpu(tiny_qwen):
+    model = build(tiny_qwen, learnable_threshold=True).train()
+    batch = batch_with_numbers()
+    cpu_loss, cpu_grads = loss_and_grads(model, batch)
+    gpu_loss, gpu_grads = loss_and_grads(model.to(CUDA), to(batch, CUDA))
+    assert gpu_loss.item() == pytest.approx(cpu_loss.item(), rel=1e-5)
+    assert gpu_grads.keys() == cpu_grads.keys() and "numeric_embedding.w_num" in gpu_grads
+    for name, grad in cpu_grads.items():
+        torch.testing.assert_close(gpu_grads[name].cpu(), grad, rtol=1e-4, atol=1e-6 * grad.abs().max().item())
+
+
+def test_fused_loss_at_full_vocabulary_equals_the_straightforward_loss_in_float64():
+    """The tiled kernel at Qwen2.5's real head size (151,936 classes), on the GPU, against float64."""
+    from causal_qwen import CausalQwenConfig
+    from causal_qwen.modeling import CausalQwenAction
+
+    torch.manual_seed(0)
+    vocab, hidden, n = 151_936, 64, 96
+    config = CausalQwenConfig(vocab_size=vocab, hidden_size=hidden, num_token_id=151_665, ovr_threshold=3.0,
+                              num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                              intermediate_size=128)
+    action = CausalQwenAction(config).to(CUDA)
+    with torch.no_grad():
+        action.cls_head.weight.normal_(0.0, 0.3)
+        action.reg_head.weight.normal_(0.0, 0.3)
+    loc_u = torch.randn(2, n // 2, hidden, device=CUDA, requires_grad=True)
+    scale_u = (torch.rand(2, n // 2, hidden, device=CUDA) * 0.1 + 1e-3).requires_grad_()
+    labels = torch.randint(0, vocab, (2, n // 2), device=CUDA)
+    labels[:, 7::9] = 151_665
+    values = torch.randn(2, n // 2, device=CUDA, dtype=torch.float64) * 100
+    common = dict(num_token_id=151_665, value_transform="symlog", gate_alpha=0.3)
+
+    fused = chunked_causal_qwen_loss(loc_u, scale_u, labels, values, action=action, memory_budget=64 * 2**20,
+                                     **common)
+    fused_grads = torch.autograd.grad(fused.loss, [loc_u, scale_u, action.cls_head.weight])
+
+    action64 = action.double()
+    loc64, scale64 = loc_u.detach().double().requires_grad_(), scale_u.detach().double().requires_grad_()
+    straight = causal_qwen_loss(*action64(loc64, scale64), labels, values, threshold=action64.threshold, **common)
+    straight_grads = torch.autograd.grad(straight.loss, [loc64, scale64, action64.cls_head.weight])
+    assert fused.loss.item() == pytest.approx(straight.loss.item(), rel=1e-5)
+    for got, want in zip(fused_grads, straight_grads, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-3, atol=1e-5 * want.abs().max().item())
+
+
+def test_bfloat16_training_step_is_finite_and_close_to_float32(tiny_qwen):
+    batch = to(batch_with_numbers(), CUDA)
+    fp32 = build(tiny_qwen).to(CUDA).train()
+    loss32, _ = loss_and_grads(fp32, batch)
+    bf16 = build(tiny_qwen).to(CUDA, torch.bfloat16).train()
+    loss16, grads16 = loss_and_grads(bf16, batch)
+    assert torch.isfinite(loss16) and loss16.dtype == torch.float32
+    assert loss16.item() == pytest.approx(loss32.item(), rel=5e-2)
+    assert all(torch.isfinite(g).all() for g in grads16.values())
+
+
+def test_traditional_greedy_equals_qwen2_greedy_on_the_gpu(tiny_qwen):
+    qwen = tiny_qwen.to(CUDA)
+    model = CausalQwenForCausalLM.from_qwen(qwen, num_token_id=NUM).to(CUDA).eval()
+    ids = torch.randint(1, 100, (3, 8), device=CUDA)
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    common = dict(attention_mask=mask, max_new_tokens=10, pad_token_id=0, do_sample=False)
+    want = Qwen2ForCausalLM.generate(qwen, ids, **common)
+    got = model.generate(ids, mode="traditional", **common)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("generator_device", ["cpu", "cuda"])
+def test_causal_generation_is_reproducible_and_cache_free_equal(tiny_qwen, generator_device):
+    model = build(tiny_qwen).to(CUDA).eval()
+    ids = torch.randint(1, 100, (2, 6), device=CUDA)
+    mask = torch.ones_like(ids)
+
+    def run(seed, use_cache=True):
+        g = torch.Generator(device=generator_device).manual_seed(seed)
+        return model.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0, mode="causal",
+                              generator=g, use_cache=use_cache, return_dict_in_generate=True)
+
+    a, b, c, d = run(0), run(0), run(1), run(0, use_cache=False)
+    assert torch.equal(a.sequences, b.sequences)
+    assert torch.equal(a.sequences, d.sequences)
+    assert not torch.equal(a.sequences, c.sequences)
+
+
+def test_trainer_bf16_on_the_gpu_trains_heads_and_keeps_the_backbone(tiny_qwen, tmp_path):
+    model = build(tiny_qwen).train()
+    backbone = {n: p.detach().clone() for n, p in model.model.named_parameters()}
+    head = model.action.cls_head.weight.detach().clone()
+    rows = []
+    for seed in range(8):
+        b = batch_with_numbers(seed)
+        rows.append({"input_ids": b["input_ids"][0].tolist(), "numeric_values": b["numeric_values"][0].tolist()})
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=4,
+                             learning_rate=1e-3, bf16=True, report_to=[], logging_steps=1, save_strategy="no")
+    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=CausalQwenDataCollator(pad_token_id=0))
+    trainer.train()
+    assert model.device.type == "cuda"
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    for name, p in model.model.named_parameters():
+        assert torch.equal(p.detach().cpu(), backbone[name]), name
+    assert not torch.equal(model.action.cls_head.weight.detach().cpu(), head)
