@@ -10,7 +10,7 @@ from transformers import Qwen2Config
 VALUE_TRANSFORMS = ("identity", "symlog")
 _FLOAT_FIELDS = (
     "abduction_scale_init", "noise_init", "ovr_threshold", "gate_alpha", "reg_loss_weight", "scale_min",
-    "abduction_anchor_weight",
+    "abduction_anchor_weight", "regression_noise",
 )
 
 
@@ -50,6 +50,12 @@ class CausalQwenConfig(Qwen2Config):
         value_transform (`str`):
             `"identity"`: the regression head models the value itself; `"symlog"`: it models
             `sign(v)·ln(1 + |v|)`, and values are mapped back by the inverse.
+        regression_noise (`float`, defaults to 0.0):
+            Initial scale γ_Y of an exogenous Cauchy noise on the value, Y = w_reg·U' + b_reg + η with
+            η ~ Cauchy(0, γ_Y), so that `scale_Y = |w_reg|·scale_U' + γ_Y`. 0 (the default, DESIGN.md §1) adds no
+            noise and no parameter. When positive, γ_Y is learnable through its logarithm (`action.reg_log_noise`):
+            it lets the value's interval widen to the errors of the regression without widening the class
+            decisions, whose scale must stay of order 1/V (DESIGN.md §8).
         abduction_anchor_weight (`float`, defaults to 0.0):
             β of the abduction anchor (DESIGN.md §4, §7): when positive, the model keeps a frozen copy of its
             abduction network (`abduction_anchor`) and the loss adds β times the mean over labelled positions of
@@ -86,6 +92,7 @@ class CausalQwenConfig(Qwen2Config):
     scale_min: float = 1e-6
     value_transform: str = "symlog"
     abduction_anchor_weight: float = 0.0
+    regression_noise: float = 0.0
 
     def __post_init__(self, **kwargs):
         if self.causal_size is None:
@@ -112,7 +119,7 @@ class CausalQwenConfig(Qwen2Config):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite positive number, got {value}")
-        for name in ("noise_init", "reg_loss_weight", "abduction_anchor_weight"):
+        for name in ("noise_init", "reg_loss_weight", "abduction_anchor_weight", "regression_noise"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite non-negative number, got {value}")
@@ -120,6 +127,8 @@ class CausalQwenConfig(Qwen2Config):
             raise ValueError(f"ovr_threshold must be finite, got {self.ovr_threshold}")
         if not 0.0 <= self.gate_alpha <= 1.0:
             raise ValueError(f"gate_alpha must lie in [0, 1], got {self.gate_alpha}")
+        if self.regression_noise > 0 and not self.use_numeric:
+            raise ValueError("regression_noise needs the regression head: use_numeric=False has none")
         if self.value_transform not in VALUE_TRANSFORMS:
             raise ValueError(f"value_transform must be one of {VALUE_TRANSFORMS}, got {self.value_transform!r}")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -133,13 +134,16 @@ class CausalQwenAction(nn.Module):
     """Act on U: add exogenous noise, then decide every class (OvR) and regress the value.
 
     scale_U' = scale_U + |b_noise|; (loc_S, scale_S) = (W_cls loc_U + b_cls, |W_cls| scale_U');
-    (loc_Y, scale_Y) = (w_reg·loc_U + b_reg, |w_reg|·scale_U'). P_k = P(S_k > C_k).
+    (loc_Y, scale_Y) = (w_reg·loc_U + b_reg, |w_reg|·scale_U' [+ γ_Y]). P_k = P(S_k > C_k).
+    γ_Y = exp(`reg_log_noise`) exists only when `config.regression_noise > 0`.
     """
 
     def __init__(self, config: CausalQwenConfig):
         super().__init__()
         self.cls_head = nn.Linear(config.causal_size, config.vocab_size, bias=True)
         self.reg_head = nn.Linear(config.causal_size, 1) if config.use_numeric else None
+        # A log-parameter: the value's noise scale has to move over orders of magnitude at Adam's fixed step.
+        self.reg_log_noise = nn.Parameter(torch.zeros(())) if config.regression_noise > 0 else None
         self.b_noise = nn.Parameter(torch.zeros(config.causal_size))
         threshold = torch.full((config.vocab_size,), float(config.ovr_threshold))
         if config.learnable_threshold:
@@ -183,7 +187,10 @@ class CausalQwenAction(nn.Module):
     def regress(self, loc: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Regression output `(loc_Y, scale_Y)` `[...]` from a Cauchy input `[..., C]`."""
         loc_y, scale_y = cauchy_linear(loc, scale, self.reg_head.weight, self.reg_head.bias)
-        return loc_y.squeeze(-1), scale_y.squeeze(-1).clamp(min=self.scale_min)
+        scale_y = scale_y.squeeze(-1)
+        if self.reg_log_noise is not None:
+            scale_y = scale_y + self.reg_log_noise.exp().to(scale_y.dtype)
+        return loc_y.squeeze(-1), scale_y.clamp(min=self.scale_min)
 
     def forward(
         self, loc_u: torch.Tensor, scale_u: torch.Tensor
@@ -234,6 +241,8 @@ class CausalQwenPreTrainedModel(Qwen2PreTrainedModel):
         elif isinstance(module, CausalQwenAction):
             init.constant_(module.b_noise, config.noise_init)
             init.constant_(module.threshold, config.ovr_threshold)
+            if module.reg_log_noise is not None:
+                init.constant_(module.reg_log_noise, math.log(config.regression_noise))
         else:
             super()._init_weights(module)
 
@@ -243,7 +252,8 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
 
     State-dict layout (a public contract): `model.*` is the Qwen2 backbone with Qwen2's key names;
     `numeric_embedding.{w_num,d_num}`; `abduction.{loc_net,scale_net}`;
-    `action.{cls_head,reg_head,b_noise,threshold}`; with an abduction anchor, `abduction_anchor.*`.
+    `action.{cls_head,reg_head,b_noise,threshold}` (and `action.reg_log_noise` with `regression_noise > 0`);
+    with an abduction anchor, `abduction_anchor.*`.
     """
 
     def __init__(self, config: CausalQwenConfig):
@@ -459,7 +469,8 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
         pass through the backbone is added.
         """
         modules = (self.numeric_embedding, self.action.reg_head)
-        touched = [p.sum() for m in modules if m is not None for p in m.parameters() if p.requires_grad]
+        params = [p for m in modules if m is not None for p in m.parameters()] + [self.action.reg_log_noise]
+        touched = [p.sum() for p in params if p is not None and p.requires_grad]
         return 0.0 * torch.stack(touched).sum() if touched else torch.zeros(())
 
     def prepare_inputs_for_generation(
@@ -615,6 +626,7 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
         tokenizer=None,
         *,
         dtype: torch.dtype | str | None = None,
+        num_row_init: str | Sequence[int] = "copy",
         **config_overrides,
     ) -> CausalQwenForCausalLM:
         """Build a CausalQwen from a Qwen2 causal LM, initialised as in DESIGN.md §3.
@@ -628,6 +640,12 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
             tokenizer: gives the `<NUM>` id (`tokenizer.num_token_id`, else `len(tokenizer)`); when
                 omitted, the tokenizer saved beside a checkpoint folder is used.
             dtype: dtype to load a checkpoint in (default float32); an object keeps its own dtype.
+            num_row_init: the `<NUM>` row of the classification head. `"copy"` (DESIGN.md §3): Qwen's row of
+                that id, which for a reserved id was never trained, so P_<NUM> starts near 0 everywhere and the
+                gated regression loss with it. `"digits"`: the mean of Qwen's rows of the tokens "0" … "9" (read
+                from the tokenizer), so that `<NUM>` starts where Qwen expects a digit. A sequence of ids averages
+                those rows. Either way every other row is Qwen's, and since the mean of some logits never exceeds
+                their maximum (ties go to the lower id), greedy `traditional` decoding of text still equals Qwen's.
             **config_overrides: any field of [`CausalQwenConfig`], e.g. `num_token_id`, `ovr_threshold`.
         """
         source = _load_qwen(model_or_path, dtype)
@@ -637,6 +655,7 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
         if use_numeric:
             num_token_id = _resolve_num_token_id(num_token_id, tokenizer, token_source)
         base_vocab = source.config.vocab_size
+        row_ids = _num_row_ids(num_row_init, tokenizer, token_source, base_vocab) if use_numeric else None
         if num_token_id is not None and num_token_id > base_vocab:
             raise ValueError(
                 f"num_token_id {num_token_id} is beyond the vocabulary ({base_vocab} rows): the tokenizer does "
@@ -649,6 +668,9 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
         with torch.device(source.device):
             model = cls(config).to(source.dtype)
         _copy_qwen_weights(source, model, base_vocab)
+        if row_ids is not None:
+            with torch.no_grad():
+                model.action.cls_head.weight[num_token_id] = source.lm_head.weight[row_ids].float().mean(0)
         model.generation_config = copy.deepcopy(source.generation_config)
         return model.eval()  # as `from_pretrained` returns models
 
@@ -692,6 +714,30 @@ def _load_qwen(model_or_path, dtype) -> Qwen2ForCausalLM:
     raise TypeError(
         f"model_or_path must be a Qwen2ForCausalLM, a folder or a hub id, got {type(model_or_path).__name__}"
     )
+
+
+def _num_row_ids(num_row_init, tokenizer, token_source, base_vocab: int) -> list[int] | None:
+    """The ids whose `lm_head` rows start the `<NUM>` row (None: keep the copied row)."""
+    if isinstance(num_row_init, str):
+        if num_row_init == "copy":
+            return None
+        if num_row_init != "digits":
+            raise ValueError(f"num_row_init must be 'copy', 'digits' or a sequence of ids, got {num_row_init!r}")
+        if tokenizer is None and token_source is not None:
+            tokenizer = _load_tokenizer_beside(token_source)
+        if tokenizer is None:
+            raise ValueError("num_row_init='digits' needs a tokenizer (pass one, or a folder with one beside it)")
+        ids = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
+        unknown = getattr(tokenizer, "unk_token_id", None)
+        if any(i is None or i == unknown for i in ids):
+            raise ValueError("num_row_init='digits': the tokenizer has no single token for every digit 0-9")
+    else:
+        ids = list(num_row_init)
+        if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError(f"num_row_init must be 'copy', 'digits' or a non-empty sequence of ids, got {ids!r}")
+    if not all(0 <= i < base_vocab for i in ids):
+        raise ValueError(f"num_row_init ids must lie inside the checkpoint's vocabulary [0, {base_vocab})")
+    return ids
 
 
 def _resolve_num_token_id(num_token_id: int | None, tokenizer, token_source) -> int:

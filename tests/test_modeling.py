@@ -407,3 +407,81 @@ def test_abduction_finetuning_with_kl_anchor(tiny_qwen, tmp_path):
     reloaded.enable_abduction_finetuning(anchor_weight=0.5)
     torch.testing.assert_close(reloaded.abduction_anchor.loc_net.bias, anchor.loc_net.bias)
     assert not any(p.requires_grad for p in reloaded.abduction_anchor.parameters())
+
+
+def test_regression_noise_adds_a_learnable_value_scale(tiny_qwen, tmp_path):
+    assert build(tiny_qwen).action.reg_log_noise is None  # DESIGN.md §1 by default: no extra parameter
+    model = build(tiny_qwen, regression_noise=0.7)
+    assert model.action.reg_log_noise.item() == pytest.approx(math.log(0.7))
+    randomize_heads(model)
+    ids = torch.randint(0, 100, (2, 6))
+    ids[:, 3] = NUM
+    values = torch.zeros(2, 6, dtype=torch.float64)
+    values[:, 3] = torch.tensor([12.0, -3.0], dtype=torch.float64)
+    with torch.no_grad():
+        out = model(ids, numeric_values=values)
+    act = model.action
+    scale_u_noisy = out.scale_U.double() + act.b_noise.double().abs()
+    want = scale_u_noisy @ act.reg_head.weight.double()[0].abs() + act.reg_log_noise.double().exp()
+    torch.testing.assert_close(out.scale_Y.double(), want, rtol=1e-5, atol=1e-7)
+
+    # The regression loss reaches it on both loss paths, with the same gradient, and it round-trips.
+    grads = []
+    for full in (False, True):
+        model.train().zero_grad()
+        model(ids, numeric_values=values, labels=ids, output_distributions=full).loss.backward()
+        grads.append(act.reg_log_noise.grad.clone())
+    assert grads[0].abs().item() > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-7)
+    model.save_pretrained(tmp_path)
+    loaded = CausalQwenForCausalLM.from_pretrained(tmp_path)
+    assert loaded.action.reg_log_noise.item() == act.reg_log_noise.item()
+
+    for bad in (-1.0, float("inf")):
+        with pytest.raises(ValueError, match="regression_noise"):
+            build(tiny_qwen, regression_noise=bad)
+    with pytest.raises(ValueError, match="regression_noise"):
+        CausalQwenForCausalLM.from_qwen(tiny_qwen, use_numeric=False, regression_noise=1.0)
+
+
+def test_num_row_from_digit_rows_keeps_every_other_logit_and_greedy(tiny_qwen):
+    digits = list(range(10, 20))
+    model = build(tiny_qwen, num_row_init=digits)
+    ids = torch.randint(0, 100, (3, 9))
+    with torch.no_grad():
+        qwen = tiny_qwen(ids).logits
+        out = model(ids)
+    others = [k for k in range(128) if k != NUM]
+    assert (out.loc_S[..., others] - qwen[..., others]).abs().max().item() <= 1e-5
+    torch.testing.assert_close(out.loc_S[..., NUM], qwen[..., digits].mean(-1), rtol=1e-5, atol=1e-5)
+    # The mean of the digit logits never beats the best digit, so Qwen's greedy choice is unchanged.
+    assert torch.equal(out.loc_S.argmax(-1), qwen.argmax(-1))
+    assert build(tiny_qwen).action.cls_head.weight[NUM].equal(tiny_qwen.lm_head.weight[NUM])
+
+    with pytest.raises(ValueError, match="num_row_init"):
+        build(tiny_qwen, num_row_init="mean")
+    with pytest.raises(ValueError, match="num_row_init"):
+        build(tiny_qwen, num_row_init=[])
+    with pytest.raises(ValueError, match="num_row_init"):
+        build(tiny_qwen, num_row_init=[5, 400])
+    with pytest.raises(ValueError, match="num_row_init"):
+        build(tiny_qwen, num_row_init="digits")  # an object without a tokenizer
+
+
+@pytest.mark.slow
+def test_real_qwen25_num_row_from_digits(qwen25_dir):
+    from causal_qwen import CausalQwenTokenizer
+
+    tokenizer = CausalQwenTokenizer.from_pretrained(qwen25_dir)
+    qwen = Qwen2ForCausalLM.from_pretrained(qwen25_dir, dtype=torch.float32).eval()
+    model = CausalQwenForCausalLM.from_qwen(qwen, tokenizer=tokenizer, num_row_init="digits").eval()
+    digit_ids = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
+    assert len(set(digit_ids)) == 10 and tokenizer.decode(digit_ids) == "0123456789"
+    enc = tokenizer("The price is 12.5 dollars and 3 more", return_tensors="pt")
+    num_pos = (enc.input_ids[0] == 151665).nonzero()[0].item()
+    with torch.no_grad():
+        out = model(enc.input_ids, numeric_values=enc.numeric_values)
+        qwen_logits = qwen(enc.input_ids[:, :num_pos]).logits[0, -1]  # the text before the first number
+    got = out.loc_S[0, num_pos - 1]
+    assert got[151665].item() == pytest.approx(qwen_logits[digit_ids].mean().item(), abs=1e-4)
+    assert (got[:151665] - qwen_logits[:151665]).abs().max().item() <= 1e-4
