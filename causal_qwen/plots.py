@@ -26,14 +26,18 @@ def plot_loss_curves(log_history: list[dict], path: str | Path) -> Path:
     """Training loss (and evaluation loss when logged) against the step, from `trainer.state.log_history`."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
+    plotted: list[float] = []
     for key, label in (("loss", "train loss"), ("eval_loss", "eval loss")):
         points = [(entry["step"], entry[key]) for entry in log_history if key in entry and "step" in entry]
         if points:
             steps, values = zip(*points, strict=True)
             ax.plot(steps, values, marker="o" if len(points) < 30 else None, label=label)
+            plotted += values
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_yscale("log")
+    # A log axis only where the losses span more than a factor of 10: on a narrow range it hides the trend.
+    if plotted and min(plotted) > 0 and max(plotted) > 10 * min(plotted):
+        ax.set_yscale("log")
     ax.set_title("loss")
     ax.legend()
     return _save(fig, path)

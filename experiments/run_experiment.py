@@ -68,8 +68,12 @@ SWEEP = {
     "noise_init": [1e-4],
     "learnable_threshold": [True],
     "value_transform": ["identity"],
-    "warm_start": [False],
 }
+# Arm (a+): the two opt-in options that answer the findings of the (a) runs (docs/experiments.md): the `<NUM>` row
+# of the classification head starts as the mean of Qwen's digit rows (`from_qwen(num_row_init=...)`), so that the
+# gate P_<NUM> is open where Qwen expects a number, and the value gets its own noise scale (`regression_noise`,
+# started at the warm start's median absolute residual), so that its intervals can be as wide as its errors.
+PLUS_OPTIONS = {"num_row_init": "digits", "regression_noise": 1.0}
 
 
 @dataclass
@@ -102,7 +106,7 @@ class Profile:
 
 PROFILES = {
     # Sized from the measured backbone throughput so that the whole table fits in 45 minutes on 2 CPU cores.
-    "cpu": Profile(n_train=320, n_validation=48, n_test=96, n_extrapolation=96, steps=40, sweep_steps=6,
+    "cpu": Profile(n_train=320, n_validation=48, n_test=96, n_extrapolation=64, steps=40, sweep_steps=8,
                    batch_size=16, sweep_batch_size=8),
     # Not run here: larger sizes for one GPU.
     "gpu": Profile(n_train=20000, n_validation=1000, n_test=2000, n_extrapolation=2000, steps=2000, sweep_steps=300,
@@ -221,7 +225,8 @@ def load_qwen(tiny: bool, seed: int) -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(config).eval()
 
 
-def causal_heads(qwen: Qwen2ForCausalLM, num_token_id: int, seed: int, **overrides) -> CausalQwenForCausalLM:
+def causal_heads(qwen: Qwen2ForCausalLM, num_token_id: int, seed: int, num_row_init="copy",
+                 **overrides) -> CausalQwenForCausalLM:
     """A CausalQwen initialised by `from_qwen` (DESIGN §3) whose backbone has no layers.
 
     The heads are trained on cached features, so the 24 layers would only be copied for nothing: `from_qwen` is
@@ -234,7 +239,7 @@ def causal_heads(qwen: Qwen2ForCausalLM, num_token_id: int, seed: int, **overrid
     stub = Qwen2ForCausalLM(config)
     stub.model.embed_tokens, stub.model.norm, stub.lm_head = qwen.model.embed_tokens, qwen.model.norm, qwen.lm_head
     torch.manual_seed(seed)  # w_num and the regression head are drawn: the same seed gives the same draw
-    heads = CausalQwenForCausalLM.from_qwen(stub, num_token_id=num_token_id, **overrides)
+    heads = CausalQwenForCausalLM.from_qwen(stub, num_token_id=num_token_id, num_row_init=num_row_init, **overrides)
     heads.requires_grad_(False)
     for module in (heads.abduction, heads.action):
         module.requires_grad_(True)
@@ -254,6 +259,8 @@ def causal_optimizer(heads: CausalQwenForCausalLM, profile: Profile) -> torch.op
     ]
     if isinstance(action.threshold, nn.Parameter):
         groups.append({"params": [action.threshold], "lr": profile.threshold_lr})
+    if action.reg_log_noise is not None:  # a log-scale, moved like the threshold
+        groups.append({"params": [action.reg_log_noise], "lr": profile.threshold_lr})
     return torch.optim.AdamW(groups, weight_decay=0.0)
 
 
@@ -298,6 +305,9 @@ def warm_start_regression(heads: CausalQwenForCausalLM, train: Encoded, validati
     error, penalty, w, b = best
     heads.action.reg_head.weight.copy_(w.to(heads.action.reg_head.weight)[None])
     heads.action.reg_head.bias.fill_(b.item())
+    if heads.action.reg_log_noise is not None:
+        # The median |Y − median| of a Cauchy is its scale: start the value's noise at the fit's residuals.
+        heads.action.reg_log_noise.fill_(math.log(max(error, 1e-3)))
     return {"penalty": penalty, "validation_median_abs_error": error, "n_positions": len(y)}
 
 
@@ -534,19 +544,21 @@ def sweep_configs() -> list[dict]:
 
 def model_fields(config: dict) -> dict:
     """The CausalQwenConfig fields of a sweep configuration."""
-    return {k: v for k, v in config.items() if k != "warm_start"}
+    return {k: v for k, v in config.items() if k not in ("warm_start", "num_row_init")}
 
 
-def new_causal(qwen, num_id: int, config: dict, numeric_embedding: nn.Module, data: dict, seed: int):
+def new_causal(qwen, num_id: int, config: dict, numeric_embedding: nn.Module, data: dict, seed: int,
+               digit_ids: list[int] | None = None):
     """Fresh heads for `config` reading the cached features (their numeric embedding is the one that made them)."""
-    heads = causal_heads(qwen, num_id, seed, **model_fields(config)).to(qwen.device)
+    row_init = digit_ids if config.get("num_row_init") == "digits" else "copy"
+    heads = causal_heads(qwen, num_id, seed, num_row_init=row_init, **model_fields(config)).to(qwen.device)
     heads.numeric_embedding.load_state_dict(numeric_embedding.state_dict())
     warm = warm_start_regression(heads, data["train"], data["validation"]) if config["warm_start"] else None
     return heads, warm
 
 
 def describe(config: dict) -> str:
-    changed = [f"{k}={v}" for k, v in config.items() if BASE_CONFIG[k] != v]
+    changed = [f"{k}={v}" for k, v in config.items() if BASE_CONFIG.get(k) != v]
     return ", ".join(changed) or "base (code defaults)"
 
 
@@ -653,22 +665,32 @@ def run(args: argparse.Namespace) -> dict:
     true = {s: [ex.target_value for ex in splits[s] if ex.target_value is not None] for s in ("test", "extrapolation")}
     with_target = {s: [ex for ex in splits[s] if ex.target_value is not None] for s in ("test", "extrapolation")}
 
-    # (a) CausalQwen.
-    heads, warm = new_causal(qwen, num_id, chosen, numeric_embedding, numeric_data, args.seed)
-    results["warm_start"] = warm
-    history_a = train_causal(heads, numeric_data["train"], profile, profile.steps, args.seed, desc="train (a)")
-    t = lap("train (a)", t)
-    results["arms"]["a"] = {}
-    for split in ("test", "extrapolation"):
-        positions, target, target_stats, all_stats = evaluate_causal(heads, numeric_data[split], profile, args.seed,
-                                                          desc=f"eval (a) {split}")
-        results["arms"]["a"][split] = {"positions": positions, "target": target}
-        predicted = target_predictions(heads, target_stats)
-        examples = [ex for ex, i in zip(splits[split], numeric_data[split].target_index, strict=True) if i > 0]
-        results["per_template"].setdefault(split, {})["a"] = per_template(predicted, examples)
-        plot_predictions(heads, target_stats, out / f"a_predictions_{split}.png")
-        plot_u_scale(all_stats, out / f"a_u_scale_{split}.png")
-    t = lap("eval (a)", t)
+    # (a) CausalQwen with the code's configuration, and (a+) with the two opt-in options on top of it.
+    digit_rows = num_tokenizer.convert_tokens_to_ids([str(d) for d in range(10)])
+    histories, results["warm_start"] = {}, {}
+    arms_a = {"a": chosen, "a_plus": {**chosen, **PLUS_OPTIONS}}
+    if args.skip_plus:
+        del arms_a["a_plus"]
+    for arm, config in arms_a.items():
+        heads, results["warm_start"][arm] = new_causal(qwen, num_id, config, numeric_embedding, numeric_data,
+                                                       args.seed, digit_rows)
+        histories[arm] = train_causal(heads, numeric_data["train"], profile, profile.steps, args.seed,
+                                      desc=f"train ({arm})")
+        t = lap(f"train ({arm})", t)
+        results["arms"][arm] = {}
+        for split in ("test", "extrapolation"):
+            positions, target, target_stats, all_stats = evaluate_causal(heads, numeric_data[split], profile,
+                                                                         args.seed, desc=f"eval ({arm}) {split}")
+            results["arms"][arm][split] = {"positions": positions, "target": target}
+            predicted = target_predictions(heads, target_stats)
+            examples = [ex for ex, i in zip(splits[split], numeric_data[split].target_index, strict=True) if i > 0]
+            results["per_template"].setdefault(split, {})[arm] = per_template(predicted, examples)
+            plot_predictions(heads, target_stats, out / f"{arm}_predictions_{split}.png")
+            plot_u_scale(all_stats, out / f"{arm}_u_scale_{split}.png")
+        if heads.action.reg_log_noise is not None:
+            results["warm_start"][arm]["final_regression_noise"] = heads.action.reg_log_noise.exp().item()
+        t = lap(f"eval ({arm})", t)
+        del heads
 
     # (b) and (b2): an untied copy of the tied embedding as the lm_head, trained on the same texts and steps.
     ntl_fn = None
@@ -678,7 +700,7 @@ def run(args: argparse.Namespace) -> dict:
         ntl_fn = NTLoss(tokenizer=digit_tokenizer, vocab_size=qwen.config.vocab_size)
     except ImportError:
         print("ntloss is not installed: arm (b2) is skipped (pip install ntloss)")
-    lm_heads, histories = {}, {"a": history_a}
+    lm_heads = {}
     for name, ntl in (("b", None), ("b2", ntl_fn)):
         if name == "b2" and ntl is None:
             continue
@@ -731,7 +753,8 @@ def run(args: argparse.Namespace) -> dict:
 # Tables
 # ----------------------------------------------------------------------------------------------------------------
 
-ARM_NAMES = {"a": "(a) CausalQwen", "b": "(b) Qwen + CE", "b2": "(b2) Qwen + CE + 0.3·NTL",
+ARM_NAMES = {"a": "(a) CausalQwen", "a_plus": "(a+) CausalQwen, digit-row <NUM> + value noise",
+             "b": "(b) Qwen + CE", "b2": "(b2) Qwen + CE + 0.3·NTL",
              "c_mean": "(c) template mean", "c_median": "(c) template median"}
 
 
@@ -763,7 +786,7 @@ def markdown(results: dict) -> str:
                   "| arm | accuracy | num_f1 | ppl_softmax | ppl_ovr | ovr_prob_sum_median "
                   "| ovr_prob_sum_median (causal) |",
                   "|---|---|---|---|---|---|---|"]
-        for arm in ("a", "b", "b2"):
+        for arm in ("a", "a_plus", "b", "b2"):
             if arm not in results["arms"]:
                 continue
             m = results["arms"][arm][split]["positions"]
@@ -813,6 +836,7 @@ def main() -> None:
     parser.add_argument("--skip-sweep", action="store_true")
     parser.add_argument("--a-config", choices=["selected", "base"], default="selected",
                         help="arm (a) uses the sweep's selection (default) or the code defaults")
+    parser.add_argument("--skip-plus", action="store_true", help="do not run arm (a+)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: all cores)")
     args = parser.parse_args()
     args.command_line = "python experiments/run_experiment.py " + " ".join(sys.argv[1:])
