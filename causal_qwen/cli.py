@@ -64,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                                           "split); default: the corpus validation split when training on the corpus")
     train.add_argument("--max-steps", type=int, default=100)
     train.add_argument("--batch-size", type=int, default=8)
-    train.add_argument("--learning-rate", type=float, default=1e-3)
+    train.add_argument("--learning-rate", type=float, default=1e-4,
+                       help="learning rate of the classification head (default 1e-4); the other modules use fixed "
+                            "multiples of it (see causal_qwen.training.LEARNING_RATE_SCALES)")
     train.add_argument("--max-length", type=int, default=128)
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--report-to", default="none", help="Trainer's report_to, e.g. tensorboard, wandb, none")

@@ -1,9 +1,16 @@
-"""`Trainer` with the training metrics of DESIGN.md §6.
+"""`Trainer` with per-module learning rates and the training metrics of DESIGN.md §6.
 
-transformers' `Trainer` trains CausalQwen as it is (the model returns `loss`). This subclass only adds, at each
-logging step, the averages since the previous log of the loss parts every forward already returns:
-`train/total_loss`, `train/cls_loss_mean` and `train/reg_loss_effective`. They go wherever `report_to` sends
-Trainer's own logs (TensorBoard, wandb, ...).
+transformers' `Trainer` trains CausalQwen as it is (the model returns `loss`). This subclass adds two things:
+
+- **Per-module learning rates** (`LEARNING_RATE_SCALES`, `parameter_groups`). Adam moves every weight by about the
+  learning rate per step, whatever its gradient, and every head weight multiplies a feature of the backbone's last
+  hidden state (L1 norm ≈ 3,400 for Qwen2.5-0.5B). One rate for everything either scrambles the inherited logits
+  in a few steps (the abduction layers and the noise move every logit at once) or barely moves the threshold. So
+  `TrainingArguments.learning_rate` is the classification head's rate, and each other module gets a fixed
+  multiple of it.
+- At each logging step, the averages since the previous log of the loss parts every forward already returns:
+  `train/total_loss`, `train/cls_loss_mean` and `train/reg_loss_effective`. They go wherever `report_to` sends
+  Trainer's own logs (TensorBoard, wandb, ...).
 
 `train/accuracy` is not logged: a training step takes the fused path, which never builds the `[B, S, V]` scores
 that an argmax needs; `eval/accuracy` (see `metrics.py`) measures it on held-out data.
@@ -11,17 +18,155 @@ that an argmax needs; `eval/accuracy` (see `metrics.py`) measures it on held-out
 
 from __future__ import annotations
 
-from transformers import Trainer
+import math
 
-__all__ = ["CausalQwenTrainer"]
+import torch
+from torch import nn
+from transformers import Trainer
+from transformers.trainer_pt_utils import get_parameter_names
+
+__all__ = ["CausalQwenTrainer", "LEARNING_RATE_SCALES", "parameter_groups"]
+
+LEARNING_RATE_SCALES: dict[str, float] = {
+    "action.cls_head": 1.0,
+    "numeric_embedding": 0.1,
+    "action.reg_head": 0.1,
+    "abduction": 0.01,
+    "action.b_noise": 0.01,
+    "action.threshold": 100.0,  # a Parameter only with config.learnable_threshold
+    "action.reg_log_noise": 100.0,  # a log-scale parameter: a step of lr moves it by a factor of only 1 + lr
+}
+"""Learning rate of each module as a multiple of the classification head's (`TrainingArguments.learning_rate`).
+
+Keys are module (or parameter) paths in `CausalQwenForCausalLM.named_parameters()`; any trainable parameter under
+none of them (an unfrozen backbone, LoRA adapters of the backbone, ...) trains at 1×. These are the rates of the
+Qwen2.5-0.5B experiment (AdamW, no weight decay).
+"""
+
+# Name components that wrappers insert between a module and its parameters: PEFT's `modules_to_save` copies
+# (`action.modules_to_save.default.cls_head.weight`; the next component is the adapter's name) and frozen originals,
+# torch.compile and FSDP1 / activation-checkpointing wrappers.
+_WRAPPER_WITH_ADAPTER = "modules_to_save"
+_WRAPPERS = {"original_module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
+
+# Trainer's rule (`Trainer.get_decay_parameter_names`): biases and norms do not decay.
+_NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+
+
+def _components(name: str) -> list[str]:
+    out, skip = [], False
+    for part in name.split("."):
+        if skip:
+            skip = False
+        elif part == _WRAPPER_WITH_ADAPTER:
+            skip = True
+        elif part not in _WRAPPERS:
+            out.append(part)
+    return out
+
+
+def _scale_of(name: str, scales: dict[str, tuple[list[str], float]]) -> float:
+    """Scale of the longest key whose dotted components appear, in a row, anywhere in `name` (1.0 if none)."""
+    parts = _components(name)
+    best, best_len = 1.0, 0
+    for key_parts, scale in scales.values():
+        n = len(key_parts)
+        if n > best_len and any(parts[i:i + n] == key_parts for i in range(len(parts) - n + 1)):
+            best, best_len = scale, n
+    return best
+
+
+def _check_scales(scales: dict[str, float]) -> dict[str, float]:
+    if not isinstance(scales, dict):
+        raise TypeError(f"scales must be a dict of module prefix -> multiple, got {type(scales).__name__}")
+    for key, value in scales.items():
+        if not isinstance(key, str) or not key.strip("."):
+            raise ValueError(f"scales keys must be non-empty module paths, got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"scales[{key!r}] must be a positive finite number, got {value!r}")
+    return dict(scales)
+
+
+def parameter_groups(model: nn.Module, learning_rate: float, weight_decay: float = 0.0,
+                     scales: dict[str, float] | None = None, no_decay: set[str] | None = None) -> list[dict]:
+    """Optimizer parameter groups giving each trainable parameter of `model` its module's learning rate.
+
+    A parameter's rate is `learning_rate` × the multiple of the longest key of `scales` (default
+    `LEARNING_RATE_SCALES`; `{}` gives every parameter `learning_rate`) whose dotted components appear in a row in
+    its name, after PEFT's `modules_to_save.<adapter>` and `original_module` components are dropped: so a PEFT model
+    (`base_model.model.action.modules_to_save.default.cls_head.weight`) gets the same rates as the bare one, and a
+    LoRA adapter gets the rate of the module it adapts (1× for the backbone). Parameters without `requires_grad`
+    are left out.
+
+    Parameters named in `no_decay` get weight decay 0 (default: Trainer's rule, biases and norms); the others get
+    `weight_decay`. There is one group per (rate, weight decay), in the order their first parameters appear, except
+    that the groups at `learning_rate` itself come first, so `Trainer` logs that rate as `learning_rate`.
+
+        optimizer = torch.optim.AdamW(parameter_groups(model, 1e-4))
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if (isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float))
+            or not math.isfinite(learning_rate) or learning_rate <= 0):
+        raise ValueError(f"learning_rate must be a positive finite number, got {learning_rate!r}")
+    if (isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float))
+            or not math.isfinite(weight_decay) or weight_decay < 0):
+        raise ValueError(f"weight_decay must be a non-negative finite number, got {weight_decay!r}")
+    scales = _check_scales(LEARNING_RATE_SCALES if scales is None else scales)
+    split = {key: ([p for p in key.split(".") if p], value) for key, value in scales.items()}
+    if no_decay is None:
+        no_decay = set(n for n, _ in model.named_parameters()) - set(
+            get_parameter_names(model, [nn.LayerNorm], _NO_DECAY_PATTERNS))
+
+    groups: dict[tuple[float, float], dict] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        scale = _scale_of(name, split)
+        decay = 0.0 if name in no_decay else float(weight_decay)
+        group = groups.setdefault((scale, decay), {"params": [], "lr": learning_rate * scale, "weight_decay": decay})
+        group["params"].append(param)
+    return sorted(groups.values(), key=lambda group: group["lr"] != learning_rate)
 
 
 class CausalQwenTrainer(Trainer):
-    """`Trainer` that also logs `train/total_loss`, `train/cls_loss_mean` and `train/reg_loss_effective`."""
+    """`Trainer` with per-module learning rates that also logs `train/total_loss`, `train/cls_loss_mean` and
+    `train/reg_loss_effective`.
 
-    def __init__(self, *args, **kwargs):
+    `learning_rate_scales` maps module paths to multiples of `args.learning_rate` (default `LEARNING_RATE_SCALES`;
+    `{}` trains everything at one rate, as plain `Trainer` does). They apply to the optimizer `Trainer` builds
+    from `args.optim` (AdamW by default) and `optimizer_cls_and_kwargs`; an optimizer passed in `optimizers` is
+    used as it is, and optimizers that choose their own parameters (GaLore, LOMO, layer-wise, Muon, ...) are built
+    by `Trainer` with one rate. (Trainer's special cases for expert-parallel meshes and 8-bit embedding states do
+    not apply to the causal heads; pass `learning_rate_scales={}` to get Trainer's own optimizer unchanged.)
+    """
+
+    def __init__(self, *args, learning_rate_scales: dict[str, float] | None = None, **kwargs):
+        self.learning_rate_scales = _check_scales(
+            LEARNING_RATE_SCALES if learning_rate_scales is None else learning_rate_scales)
         super().__init__(*args, **kwargs)
         self._loss_parts: dict[str, list[float]] = {"cls_loss": [], "reg_loss": [], "loss": []}
+
+    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
+        """`Trainer.create_optimizer` with the groups of `parameter_groups` (biases and norms without decay)."""
+        opt_model = self.model if model is None else model
+        if self.optimizer is None and self.learning_rate_scales:
+            if self.optimizer_cls_and_kwargs is not None:
+                optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
+            else:
+                optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+            standard = (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)
+                        and not {"params", "model", "optimizer_dict"} & optimizer_kwargs.keys())
+            if not standard:
+                return super().create_optimizer(model)
+            optimizer_kwargs = dict(optimizer_kwargs)
+            decay = set(self.get_decay_parameter_names(opt_model))
+            no_decay = {name for name, _ in opt_model.named_parameters() if name not in decay}
+            groups = parameter_groups(opt_model, optimizer_kwargs.pop("lr", self.args.learning_rate),
+                                      self.args.weight_decay, self.learning_rate_scales, no_decay)
+            self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
+        # The optimizer exists now: Trainer only wraps it where it has to (SageMaker model parallelism).
+        return super().create_optimizer(model)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)

@@ -18,13 +18,14 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import Qwen2Config, Qwen2ForCausalLM, Trainer, TrainingArguments
+from transformers import Qwen2Config, Qwen2ForCausalLM, TrainingArguments
 
 from causal_qwen import CausalQwenForCausalLM, CausalQwenTokenizer
 from causal_qwen.data import CausalQwenDataCollator, make_splits
 from causal_qwen.data.texts import tokenize_texts
 from causal_qwen.metrics import evaluate
 from causal_qwen.plots import plot_evaluation, plot_loss_curves
+from causal_qwen.training import CausalQwenTrainer
 
 QWEN_DIR = Path(os.environ.get("CAUSAL_QWEN_QWEN25_DIR", Path.home() / ".cache" / "causal_qwen" / "qwen2.5-0.5b"))
 MAX_LENGTH = 128  # corpus texts are one to three sentences, far shorter
@@ -39,7 +40,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-train", type=int, default=2000, help="training texts of the corpus")
     parser.add_argument("--num-eval", type=int, default=200, help="texts in each evaluation split")
     parser.add_argument("--lr", type=float, default=1e-4,
-                        help="learning rate of the classification head; the other modules use fixed fractions of it")
+                        help="learning rate of the classification head; the other modules use fixed multiples of it")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
@@ -52,24 +53,6 @@ def load_qwen(tiny: bool) -> Qwen2ForCausalLM:
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=True)
     return Qwen2ForCausalLM(config)
-
-
-def make_optimizer(model: CausalQwenForCausalLM, lr: float) -> torch.optim.Optimizer:
-    """AdamW with one learning rate per module.
-
-    Adam moves every weight by about the learning rate per step, and each weight multiplies a feature of the
-    backbone's last hidden state (L1 norm in the thousands for Qwen2.5): the square abduction layers and the noise
-    would move every logit at once, so they get 1/100 of the head's rate, the regression head 1/10.
-    """
-    groups = {
-        "cls": (lr, [model.action.cls_head.weight, model.action.cls_head.bias]),
-        "reg": (lr / 10, list(model.action.reg_head.parameters()) + list(model.numeric_embedding.parameters())),
-        "slow": (lr / 100, list(model.abduction.parameters()) + [model.action.b_noise]),
-    }
-    params = [{"params": [p for p in ps if p.requires_grad], "lr": rate} for rate, ps in groups.values()]
-    if model.config.learnable_threshold:
-        params.append({"params": [model.action.threshold], "lr": lr * 100})
-    return torch.optim.AdamW(params, weight_decay=0.0)
 
 
 def main() -> None:
@@ -91,16 +74,17 @@ def main() -> None:
                 for name, examples in splits.items()}
     collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
 
-    # Training: Trainer calls the model with labels, which takes the fused chunked OvR loss.
+    # Training: Trainer calls the model with labels, which takes the fused chunked OvR loss. CausalQwenTrainer's
+    # AdamW gives each module its own rate: learning_rate is the classification head's, and the other modules use
+    # fixed multiples of it (causal_qwen.training.LEARNING_RATE_SCALES).
     training_args = TrainingArguments(
         output_dir=str(out / "trainer"), max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size, seed=args.seed, logging_steps=max(1, args.max_steps // 20),
         eval_strategy="steps", eval_steps=max(1, args.max_steps // 4), save_strategy="no", report_to="none",
-        lr_scheduler_type="linear", warmup_steps=0,
+        learning_rate=args.lr, weight_decay=0.0, lr_scheduler_type="linear", warmup_steps=0,
     )
-    trainer = Trainer(model=model, args=training_args, train_dataset=features["train"],
-                      eval_dataset=features["validation"], data_collator=collator,
-                      optimizers=(make_optimizer(model, args.lr), None))
+    trainer = CausalQwenTrainer(model=model, args=training_args, train_dataset=features["train"],
+                                eval_dataset=features["validation"], data_collator=collator)
     trainer.train()
 
     # Evaluation in standard mode, on the test split and on the extrapolation split (values above training).

@@ -9,7 +9,7 @@ from conftest import tiny_qwen2_config
 from transformers import Qwen2ForCausalLM
 
 from causal_qwen import CausalQwenForCausalLM
-from causal_qwen.cli import main
+from causal_qwen.cli import build_parser, main
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
 
@@ -20,6 +20,12 @@ def test_help_explains_every_command():
         assert command in out
     sub = subprocess.run(["causal-qwen", "generate", "--help"], capture_output=True, text=True, check=True).stdout
     assert "--mode" in sub and "--seed" in sub
+
+
+def test_train_learning_rate_is_the_heads_and_defaults_to_1e_4():
+    assert build_parser().parse_args(["train", "in", "out"]).learning_rate == 1e-4
+    sub = subprocess.run(["causal-qwen", "train", "--help"], capture_output=True, text=True, check=True).stdout
+    assert "classification head" in sub and "LEARNING_RATE_SCALES" in sub
 
 
 def test_convert_generate_train_eval(tmp_path, qwen25_dir, capsys):

@@ -12,7 +12,7 @@ from transformers import Trainer, TrainingArguments
 from causal_qwen import CausalQwenForCausalLM
 from causal_qwen.data.collator import CausalQwenDataCollator
 from causal_qwen.metrics import CausalQwenMetrics
-from causal_qwen.training import CausalQwenTrainer
+from causal_qwen.training import CausalQwenTrainer, parameter_groups
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 
@@ -98,3 +98,140 @@ def test_causal_qwen_trainer_logs_the_loss_parts(model, tmp_path):
         assert entry["train/total_loss"] == pytest.approx(
             entry["train/cls_loss_mean"] + model.config.reg_loss_weight * entry["train/reg_loss_effective"], rel=1e-4)
         assert entry["loss"] == pytest.approx(entry["train/total_loss"], rel=1e-3)
+
+
+# Per-module learning rates, as multiples of the classification head's rate (Adam moves every weight by about
+# its rate per step). Written out here, apart from causal_qwen.training.LEARNING_RATE_SCALES, so that the test checks
+# the table too.
+EXPECTED_SCALES = {
+    "action.cls_head": 1.0, "numeric_embedding": 0.1, "action.reg_head": 0.1, "abduction": 0.01,
+    "action.b_noise": 0.01, "action.threshold": 100.0, "action.reg_log_noise": 100.0,
+}
+
+
+def expected_rates(model, lr: float, unwrap=lambda name: name) -> dict[str, float]:
+    """Each trainable parameter's rate: its module's multiple of `lr`, or `lr` outside the listed modules."""
+    rates = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            bare = unwrap(name)
+            scale = [s for prefix, s in EXPECTED_SCALES.items() if bare == prefix or bare.startswith(prefix + ".")]
+            rates[name] = lr * (scale[0] if scale else 1.0)
+    return rates
+
+
+def optimizer_rates(trainer) -> dict[str, float]:
+    by_id = {id(p): group["lr"] for group in trainer.optimizer.param_groups for p in group["params"]}
+    return {name: by_id[id(p)] for name, p in trainer.model.named_parameters() if id(p) in by_id}
+
+
+def one_rate_trainer(model, tmp_path, lr=1e-3, **kwargs):
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=1, learning_rate=lr,
+                             lr_scheduler_type="constant", weight_decay=kwargs.pop("weight_decay", 0.0),
+                             max_grad_norm=0.0, report_to=[], save_strategy="no", logging_steps=1, use_cpu=True,
+                             disable_tqdm=True, seed=0)
+    return CausalQwenTrainer(model=model, args=args, train_dataset=dataset(8), data_collator=CausalQwenDataCollator(0),
+                             **kwargs)
+
+
+@pytest.mark.parametrize("learnable_threshold", [False, True])
+def test_trainer_gives_each_module_its_learning_rate(tiny_qwen, tmp_path, learnable_threshold):
+    model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM, learnable_threshold=learnable_threshold)
+    trainer = one_rate_trainer(model, tmp_path, lr=2e-4)
+    trainer.create_optimizer()
+    got, want = optimizer_rates(trainer), expected_rates(model, 2e-4)
+    assert got == pytest.approx(want, rel=1e-12)
+    assert want["action.cls_head.weight"] == 2e-4 and want["abduction.loc_net.weight"] == pytest.approx(2e-6)
+    assert ("action.threshold" in got) == learnable_threshold
+    if learnable_threshold:
+        assert got["action.threshold"] == pytest.approx(2e-2)
+    assert not any(name.startswith("model.") for name in got)  # the frozen backbone is left out
+    groups = trainer.optimizer.param_groups
+    assert all(group["params"] for group in groups)
+    assert len({(group["lr"], group["weight_decay"]) for group in groups}) == len(groups)
+    assert groups[0]["lr"] == 2e-4  # Trainer logs the first group's rate as learning_rate: the head's
+
+
+def test_trainer_weight_decay_spares_biases_and_one_rate_without_scales(model, tmp_path):
+    trainer = one_rate_trainer(model, tmp_path, weight_decay=0.1)
+    trainer.create_optimizer()
+    decay = {id(p): group["weight_decay"] for group in trainer.optimizer.param_groups for p in group["params"]}
+    params = dict(model.named_parameters())
+    assert decay[id(params["action.cls_head.weight"])] == 0.1 and decay[id(params["abduction.loc_net.weight"])] == 0.1
+    assert decay[id(params["action.cls_head.bias"])] == 0.0 and decay[id(params["abduction.loc_net.bias"])] == 0.0
+
+    # {}: Trainer's own optimizer (one rate; its decay / no-decay split).
+    trainer = one_rate_trainer(model, tmp_path / "one", learning_rate_scales={})
+    trainer.create_optimizer()
+    assert set(optimizer_rates(trainer).values()) == {1e-3}
+    assert sum(len(g["params"]) for g in trainer.optimizer.param_groups) == sum(
+        p.requires_grad for p in model.parameters())
+
+
+def test_one_adam_step_moves_each_module_by_its_rate(tiny_qwen, tmp_path):
+    # Adam's first step moves every weight with a nonzero gradient by lr·g/(|g| + eps) ≈ lr, so the largest change of
+    # each parameter is its rate. lr = 1e-3 keeps the abduction's 1e-5 well above float32 rounding of its weights.
+    model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM, ovr_threshold=1.0, abduction_scale_init=0.1,
+                                            learnable_threshold=True)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    trainer = one_rate_trainer(model, tmp_path, lr=1e-3)
+    trainer.train()
+    assert trainer.state.global_step == 1
+    want = expected_rates(model, 1e-3)
+    assert want.keys() == before.keys()
+    moved = {n: (p.detach() - before[n]).abs().max().item() for n, p in model.named_parameters() if n in before}
+    for name, rate in want.items():
+        assert moved[name] == pytest.approx(rate, rel=0.03), name
+    assert moved["action.cls_head.weight"] == pytest.approx(1e-3, rel=0.03)
+    assert moved["abduction.loc_net.weight"] == pytest.approx(1e-5, rel=0.03)
+    assert moved["action.threshold"] == pytest.approx(0.1, rel=0.03)
+    assert [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e] == [1e-3]
+
+
+def test_lora_adapters_train_at_the_head_rate_and_saved_modules_at_theirs(model, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                      modules_to_save=["numeric_embedding", "abduction", "action"])
+    peft_model = get_peft_model(model, lora)
+    trainer = one_rate_trainer(peft_model, tmp_path, lr=1e-3)
+    trainer.create_optimizer()
+    got = optimizer_rates(trainer)
+
+    def unwrap(name):
+        return name.removeprefix("base_model.model.").replace(".modules_to_save.default.", ".")
+
+    assert got == pytest.approx(expected_rates(peft_model, 1e-3, unwrap), rel=1e-12)
+    lora_names = [n for n in got if "lora_" in n]
+    assert lora_names and all(got[n] == 1e-3 for n in lora_names)
+    assert got["base_model.model.action.modules_to_save.default.cls_head.weight"] == 1e-3
+    assert got["base_model.model.action.modules_to_save.default.reg_head.weight"] == pytest.approx(1e-4)
+    assert got["base_model.model.numeric_embedding.modules_to_save.default.w_num"] == pytest.approx(1e-4)
+    assert got["base_model.model.abduction.modules_to_save.default.loc_net.weight"] == pytest.approx(1e-5)
+    assert got["base_model.model.action.modules_to_save.default.b_noise"] == pytest.approx(1e-5)
+    assert not any("original_module" in n for n in got)  # PEFT's frozen originals stay out
+
+
+def test_parameter_groups_rejects_bad_inputs(model):
+    for bad in (0, 0.0, -1e-4, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="learning_rate"):
+            parameter_groups(model, bad)
+    with pytest.raises(ValueError, match="scales"):
+        parameter_groups(model, 1e-4, scales={"abduction": -0.01})
+    with pytest.raises(ValueError, match="scales"):
+        parameter_groups(model, 1e-4, scales={"abduction": 0.0})
+    with pytest.raises(TypeError):
+        parameter_groups("not a model", 1e-4)
+    with pytest.raises(ValueError, match="scales"):
+        CausalQwenTrainer(model=model, learning_rate_scales={"action.cls_head": float("nan")})
+
+
+def test_parameter_groups_matches_whole_components_and_the_longest_prefix(model):
+    groups = parameter_groups(model, 1.0, scales={"action": 2.0, "action.cls_head.bias": 3.0, "loc_net": 5.0,
+                                                  "cls": 7.0})
+    rate = {id(p): group["lr"] for group in groups for p in group["params"]}
+    params = dict(model.named_parameters())
+    assert rate[id(params["action.cls_head.weight"])] == 2.0  # "cls" is not a whole component
+    assert rate[id(params["action.cls_head.bias"])] == 3.0  # the longest matching key wins
+    assert rate[id(params["abduction.loc_net.weight"])] == 5.0  # a key may match anywhere in the name
+    assert rate[id(params["abduction.scale_net.weight"])] == 1.0
