@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     convert.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                          help="override a CausalQwenConfig field, e.g. --set ovr_threshold=20 (repeatable)")
+    convert.add_argument("--num-row-init", default="copy", choices=["copy", "digits"],
+                         help="the <NUM> row of the classification head: Qwen's row of that id (copy, DESIGN §3) "
+                              "or the mean of Qwen's rows of the digits 0-9")
 
     generate = commands.add_parser("generate", help="generate text, numbers written as digits",
                                    description="Generate a continuation of PROMPT in any mode.")
@@ -122,7 +125,8 @@ def run_convert(args) -> int:
     print(f"loading Qwen2 from {args.source} ...")
     qwen = Qwen2ForCausalLM.from_pretrained(args.source, dtype=dtype)
     tokenizer = CausalQwenTokenizer.from_pretrained(args.source)
-    model = CausalQwenForCausalLM.from_qwen(qwen, tokenizer=tokenizer, **parse_overrides(args.overrides))
+    model = CausalQwenForCausalLM.from_qwen(qwen, tokenizer=tokenizer, num_row_init=args.num_row_init,
+                                            **parse_overrides(args.overrides))
     model.save_pretrained(args.output)
     tokenizer.save_pretrained(args.output)
     print(f"saved CausalQwen to {args.output} (<NUM> id {model.config.num_token_id}, vocab {model.config.vocab_size})")

@@ -4,6 +4,7 @@ import json
 import shutil
 import subprocess
 
+import pytest
 import torch
 from conftest import tiny_qwen2_config
 from transformers import Qwen2ForCausalLM
@@ -43,6 +44,14 @@ def test_convert_generate_train_eval(tmp_path, qwen25_dir, capsys):
     ids = torch.tensor([[9707, 1879, 11]])
     with torch.no_grad():
         assert (model(ids).loc_S - qwen(ids).logits).abs().max() <= 1e-5
+
+    digits_dir = tmp_path / "cq-digits"
+    assert main(["convert", str(base), str(digits_dir), "--num-row-init", "digits",
+                 "--set", "regression_noise=0.5"]) == 0
+    with_digits = CausalQwenForCausalLM.from_pretrained(digits_dir)
+    digit_ids = [15, 16, 17, 18, 19, 20, 21, 22, 23, 24]  # "0" ... "9" in Qwen2.5's vocabulary
+    torch.testing.assert_close(with_digits.action.cls_head.weight[151665], qwen.lm_head.weight[digit_ids].mean(0))
+    assert with_digits.action.reg_log_noise.exp().item() == pytest.approx(0.5)
 
     capsys.readouterr()
     assert main(["generate", str(converted), "Price: 3.5 dollars", "--mode", "causal", "--seed", "1",
