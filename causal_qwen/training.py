@@ -8,9 +8,10 @@ transformers' `Trainer` trains CausalQwen as it is (the model returns `loss`). T
   in a few steps (the abduction layers and the noise move every logit at once) or barely moves the threshold. So
   `TrainingArguments.learning_rate` is the classification head's rate, and each other module gets a fixed
   multiple of it.
-- At each logging step, the averages since the previous log of the loss parts every forward already returns:
-  `train/total_loss`, `train/cls_loss_mean` and `train/reg_loss_effective`. They go wherever `report_to` sends
-  Trainer's own logs (TensorBoard, wandb, ...).
+- At each logging step, the averages since the previous log of the loss parts every forward already returns,
+  logged as `total_loss`, `cls_loss_mean` and `reg_loss_effective` next to Trainer's `loss`. The reporters of
+  `report_to` (TensorBoard, wandb, ...) file training logs under `train/`, so they appear there as DESIGN.md §6's
+  `train/total_loss`, `train/cls_loss_mean` and `train/reg_loss_effective`.
 
 `train/accuracy` is not logged: a training step takes the fused path, which never builds the `[B, S, V]` scores
 that an argmax needs; `eval/accuracy` (see `metrics.py`) measures it on held-out data.
@@ -130,8 +131,8 @@ def parameter_groups(model: nn.Module, learning_rate: float, weight_decay: float
 
 
 class CausalQwenTrainer(Trainer):
-    """`Trainer` with per-module learning rates that also logs `train/total_loss`, `train/cls_loss_mean` and
-    `train/reg_loss_effective`.
+    """`Trainer` with per-module learning rates that also logs `total_loss`, `cls_loss_mean` and
+    `reg_loss_effective` (`train/*` in TensorBoard and wandb).
 
     `learning_rate_scales` maps module paths to multiples of `args.learning_rate` (default `LEARNING_RATE_SCALES`;
     `{}` trains everything at one rate, as plain `Trainer` does). They apply to the optimizer `Trainer` builds
@@ -177,8 +178,9 @@ class CausalQwenTrainer(Trainer):
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs and self._loss_parts["loss"]:
-            for name, key in (("loss", "train/total_loss"), ("cls_loss", "train/cls_loss_mean"),
-                              ("reg_loss", "train/reg_loss_effective")):
+            # Reporters (TensorBoard, wandb, ...) file every training log under "train/", as Trainer's "loss".
+            for name, key in (("loss", "total_loss"), ("cls_loss", "cls_loss_mean"),
+                              ("reg_loss", "reg_loss_effective")):
                 values = self._loss_parts[name]
                 logs[key] = sum(values) / len(values)
                 values.clear()

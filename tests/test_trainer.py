@@ -90,14 +90,14 @@ def test_causal_qwen_trainer_logs_the_loss_parts(model, tmp_path):
     trainer = CausalQwenTrainer(model=model, args=args, train_dataset=dataset(16),
                                 data_collator=CausalQwenDataCollator(0))
     trainer.train()
-    logged = [entry for entry in trainer.state.log_history if "train/cls_loss_mean" in entry]
+    logged = [entry for entry in trainer.state.log_history if "cls_loss_mean" in entry]
     assert len(logged) == 2
     for entry in logged:
-        assert entry["train/reg_loss_effective"] > 0
+        assert entry["reg_loss_effective"] > 0
         # Without gradient accumulation the total is the classification part plus λ times the regression part.
-        assert entry["train/total_loss"] == pytest.approx(
-            entry["train/cls_loss_mean"] + model.config.reg_loss_weight * entry["train/reg_loss_effective"], rel=1e-4)
-        assert entry["loss"] == pytest.approx(entry["train/total_loss"], rel=1e-3)
+        assert entry["total_loss"] == pytest.approx(
+            entry["cls_loss_mean"] + model.config.reg_loss_weight * entry["reg_loss_effective"], rel=1e-4)
+        assert entry["loss"] == pytest.approx(entry["total_loss"], rel=1e-3)
 
 
 # Per-module learning rates, as multiples of the classification head's rate (Adam moves every weight by about
