@@ -112,7 +112,8 @@ def sample(
     loc: torch.Tensor, scale: torch.Tensor, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     """A reparameterised draw loc + scale·tan(π(ε − 1/2)) with ε ~ U(0, 1), differentiable in loc and scale."""
-    eps = torch.rand(loc.shape, generator=generator, device=loc.device, dtype=torch.float32)
+    where = generator.device if generator is not None else loc.device  # a CPU generator may drive GPU tensors
+    eps = torch.rand(loc.shape, generator=generator, device=where, dtype=torch.float32).to(loc.device)
     return loc + scale * standard_from_uniform(eps).to(loc.dtype)
 
 
