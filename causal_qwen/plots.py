@@ -98,7 +98,7 @@ def plot_evaluation(model, stats: torch.Tensor, directory: str | Path) -> list[P
 
 
 def _columns(stats: torch.Tensor) -> dict[str, torch.Tensor]:
-    stats = stats.reshape(-1, len(FIELDS)).double()
+    stats = stats.detach().reshape(-1, len(FIELDS)).double().cpu()  # matplotlib reads host memory
     stats = stats[stats[:, FIELDS.index("valid")] == 1.0]
     return {name: stats[:, i] for i, name in enumerate(FIELDS)}
 

@@ -180,13 +180,17 @@ def test_trainer_bf16_on_the_gpu_trains_heads_and_keeps_the_backbone(tiny_qwen, 
     assert not torch.equal(model.action.cls_head.weight.detach().cpu(), head)
 
 
-def test_standalone_metrics_on_the_gpu_equal_the_cpu_with_a_cpu_generator(tiny_qwen):
+def test_standalone_metrics_and_plots_of_a_gpu_model(tiny_qwen, tmp_path):
     from causal_qwen.metrics import evaluate
+    from causal_qwen.plots import plot_evaluation
 
     model = build(tiny_qwen).eval()
     batches = [batch_with_numbers(seed) for seed in range(3)]
     want = evaluate(model, batches, generator=torch.Generator().manual_seed(0))
-    got = evaluate(model.to(CUDA), batches, generator=torch.Generator().manual_seed(0))
+    got, stats = evaluate(model.to(CUDA), batches, generator=torch.Generator().manual_seed(0),
+                          return_statistics=True)
     assert got.keys() == want.keys() and "dist/ovr_prob_sum_median_causal" in got
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    paths = plot_evaluation(model, stats, tmp_path)
+    assert all(p.exists() and p.stat().st_size > 1000 for p in paths)
