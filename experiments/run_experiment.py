@@ -4,6 +4,7 @@ One frozen Qwen2.5-0.5B backbone, one corpus (`causal_qwen.data.make_splits`), t
 number of optimizer steps for every arm:
 
   (a)  CausalQwen: numbers as values (one `<NUM>` each), One-vs-Rest Cauchy classification, Cauchy regression;
+  (a+) as (a), built with `num_row_init="digits"` and `regression_noise` (PLUS_OPTIONS; `--skip-plus` leaves it out);
   (b)  Qwen2 with a trainable untied lm_head (a copy of the tied embedding), cross-entropy on numbers as digits;
   (b2) as (b), plus the Number Token Loss of the `ntloss` package (CE + 0.3 · NTL, the authors' recommendation);
   (c)  the trivial baseline: the training mean / median of each template's target (`template_baselines`).
@@ -58,7 +59,7 @@ from causal_qwen.plots import plot_loss_curves, plot_predictions, plot_u_scale
 QWEN_DIR = Path(os.environ.get("CAUSAL_QWEN_QWEN25_DIR", Path.home() / ".cache" / "causal_qwen" / "qwen2.5-0.5b"))
 NTL_WEIGHT = 0.3  # CE + 0.3·NTL, as the ntloss authors recommend
 MAX_NEW_DIGITS = 20  # the longest target (extrapolation, up to 1e14) has 15 digits
-# The configuration the code ships with (DESIGN §8, provisional); the sweep varies one field at a time around it.
+# The configuration the code ships with (DESIGN §8); the sweep varies one field at a time around it.
 # `warm_start` is not a model field but the recipe's least-squares start of the regression head.
 BASE_CONFIG = {"ovr_threshold": 15.0, "abduction_scale_init": 1e-5, "noise_init": 1e-5, "learnable_threshold": False,
                "value_transform": "symlog", "warm_start": True}
