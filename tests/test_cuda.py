@@ -194,3 +194,13 @@ def test_standalone_metrics_and_plots_of_a_gpu_model(tiny_qwen, tmp_path):
         assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
     paths = plot_evaluation(model, stats, tmp_path)
     assert all(p.exists() and p.stat().st_size > 1000 for p in paths)
+
+
+def test_cauchy_sample_draws_with_a_cpu_generator_on_gpu_tensors():
+    from causal_qwen.cauchy import sample
+
+    loc, scale = torch.randn(4, 8), torch.rand(4, 8) + 0.1
+    want = sample(loc, scale, torch.Generator().manual_seed(3))
+    got = sample(loc.to(CUDA), scale.to(CUDA), torch.Generator().manual_seed(3))
+    assert got.device.type == "cuda"
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
