@@ -55,6 +55,7 @@ from causal_qwen.loss import IGNORE_INDEX
 from causal_qwen.metrics import FIELDS, position_statistics, regression_metrics, summarize
 from causal_qwen.numbers import find_numbers
 from causal_qwen.plots import plot_loss_curves, plot_predictions, plot_u_scale
+from causal_qwen.training import parameter_groups
 
 QWEN_DIR = Path(os.environ.get("CAUSAL_QWEN_QWEN25_DIR", Path.home() / ".cache" / "causal_qwen" / "qwen2.5-0.5b"))
 NTL_WEIGHT = 0.3  # CE + 0.3·NTL, as the ntloss authors recommend
@@ -81,9 +82,11 @@ PLUS_OPTIONS = {"num_row_init": "digits", "regression_noise": 1.0}
 class Profile:
     """Sizes and learning rates of one run. Steps count optimizer steps of `batch_size` texts, the same for every arm.
 
-    Learning rates are per module because Adam moves every weight by about the learning rate per step whatever its
-    gradient, and a weight multiplies a feature of Qwen's last hidden state, whose L1 norm is about 3,400: a step
-    of lr on every weight of a row moves that row's output by about 3,400·lr. The rates keep that move small.
+    `head_lr` is the rate of the 152k-row heads (CausalQwen's cls_head, Qwen's lm_head); the other modules of
+    CausalQwen train at the package's multiples of it (`causal_qwen.training.LEARNING_RATE_SCALES`). Adam moves
+    every weight by about the learning rate per step whatever its gradient, and a weight multiplies a feature of
+    Qwen's last hidden state, whose L1 norm is about 3,400: a step of lr on every weight of a row moves that row's
+    output by about 3,400·lr. The rates keep that move small.
     """
 
     n_train: int
@@ -94,11 +97,7 @@ class Profile:
     sweep_steps: int
     batch_size: int
     sweep_batch_size: int
-    head_lr: float = 1e-4  # the 152k-row heads: CausalQwen's cls_head and Qwen's lm_head, the same in both arms
-    abduction_lr: float = 1e-6  # W_loc, W_scale (896 x 896): they move every logit at once
-    reg_lr: float = 1e-5  # w_reg, b_reg
-    noise_lr: float = 1e-6  # b_noise: it adds to scale_S of every class
-    threshold_lr: float = 1e-2  # the learnable threshold C_k (a plain shift of loc_S − C)
+    head_lr: float = 1e-4  # about 0.3 logit per step; the same in every arm
     feature_batch: int = 32
     eval_batch: int = 16
     decode_batch: int = 64
@@ -250,19 +249,12 @@ def causal_heads(qwen: Qwen2ForCausalLM, num_token_id: int, seed: int, num_row_i
 
 
 def causal_optimizer(heads: CausalQwenForCausalLM, profile: Profile) -> torch.optim.Optimizer:
-    """AdamW without weight decay over the abduction and action networks, one learning rate per module."""
-    action = heads.action
-    groups = [
-        {"params": list(action.cls_head.parameters()), "lr": profile.head_lr},
-        {"params": list(heads.abduction.parameters()), "lr": profile.abduction_lr},
-        {"params": list(action.reg_head.parameters()), "lr": profile.reg_lr},
-        {"params": [action.b_noise], "lr": profile.noise_lr},
-    ]
-    if isinstance(action.threshold, nn.Parameter):
-        groups.append({"params": [action.threshold], "lr": profile.threshold_lr})
-    if action.reg_log_noise is not None:  # a log-scale, moved like the threshold
-        groups.append({"params": [action.reg_log_noise], "lr": profile.threshold_lr})
-    return torch.optim.AdamW(groups, weight_decay=0.0)
+    """AdamW without weight decay over the trainable heads, with the package's per-module learning rates.
+
+    With `head_lr` = 1e-4: cls_head 1e-4, w_reg/b_reg 1e-5, abduction and b_noise 1e-6, a learnable threshold and
+    log γ_Y 1e-2 (the numeric embedding is frozen here: the features are cached).
+    """
+    return torch.optim.AdamW(parameter_groups(heads, profile.head_lr), weight_decay=0.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
