@@ -25,10 +25,12 @@ finished block by block and nothing of size `[V, C]` is allocated beyond the gra
 (many positions) also make the matrix products efficient, since each block of W is read once per chunk of
 positions. Memory is then bounded by the budget, whatever N.
 
-Precision: every tile is computed in fp32 (bf16 inputs are upcast block by block, which on CPUs without bf16
-units is also faster than bf16 products), the loss is accumulated in fp64 across tiles, and gradients are
-accumulated in fp32 and returned in the dtype of each input. On CUDA with bf16 weights the matrix products
-therefore run in fp32 (TF32 where `torch.backends.cuda.matmul.allow_tf32` allows it), not on bf16 tensor cores.
+Precision: every tile is computed in fp32, the loss is accumulated in fp64 across tiles, and gradients are
+accumulated in fp32 and returned in the dtype of each input. On the CPU, bf16 inputs are upcast block by block
+(faster than bf16 products on CPUs without bf16 units). On CUDA with bf16 or fp16 inputs the six products run on
+the tensor cores with fp32 outputs (`out_dtype`): the two forward products are then as exact as fp32 ones (a
+product of two half-precision numbers is exact in fp32, and the sums are fp32), and the four gradient products
+take the fp32 tile gradients rounded to the inputs' dtype, as autograd's own half-precision backward would.
 The function is differentiable once (no double backward).
 """
 
@@ -139,25 +141,27 @@ class _Scratch:
     other: torch.Tensor  # log(t/π), then π·(1 − P)
     clamped: torch.Tensor  # bool: scale_S was floored (no gradient flows to it)
     above: torch.Tensor  # bool: d > 0, i.e. P > 1/2
-    weight: torch.Tensor | None  # fp32 copy of a block of W when W is not fp32
-    abs_weight: torch.Tensor  # |W| of the block, then sign(W)
+    weight: torch.Tensor | None  # fp32 copy of a block of W when W is not fp32 (and products are fp32)
+    abs_weight: torch.Tensor  # |W| of the block, then sign(W); in W's dtype for half-precision products
     weight_grad_loc: torch.Tensor | None  # Σ ∂L/∂loc_S.T @ loc_U for the block, when W is not fp32
     weight_grad_scale: torch.Tensor | None  # Σ ∂L/∂scale_S.T @ scale_U' for the block
 
     @classmethod
     def allocate(
-        cls, rows: int, classes: int, features: int, *, device: torch.device, copy_weight: bool, weight_grad: bool
+        cls, rows: int, classes: int, features: int, *, device: torch.device, weight_dtype: torch.dtype,
+        half_products: bool, weight_grad: bool
     ) -> _Scratch:
         def buffer(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.empty(numel, dtype=dtype, device=device)
 
         tile, block = rows * classes, classes * features
+        not_fp32 = weight_dtype != torch.float32
         return cls(
             shifted=buffer(tile), scale=buffer(tile), angle=buffer(tile), work=buffer(tile), other=buffer(tile),
             clamped=buffer(tile, torch.bool), above=buffer(tile, torch.bool),
-            weight=buffer(block) if copy_weight else None,
-            abs_weight=buffer(block),
-            weight_grad_loc=buffer(block) if weight_grad and copy_weight else None,
+            weight=buffer(block) if not_fp32 and not half_products else None,
+            abs_weight=buffer(block, weight_dtype if half_products else torch.float32),
+            weight_grad_loc=buffer(block) if weight_grad and not_fp32 else None,
             weight_grad_scale=buffer(block) if weight_grad else None,
         )
 
@@ -322,12 +326,12 @@ def _run_tiles(
         return loss, grads
 
     rows, classes = min(rows, n), min(classes, vocab)
-    copy_weight = weight.dtype != torch.float32
-    scratch = _Scratch.allocate(rows, classes, features, device=device, copy_weight=copy_weight,
-                                weight_grad=need_weight)
+    half = _half_products(weight, loc_rows, scale_rows)
+    scratch = _Scratch.allocate(rows, classes, features, device=device, weight_dtype=weight.dtype,
+                                half_products=half, weight_grad=need_weight)
     # b − C, so that a single addmm gives d = loc_S − C directly.
     shift = -threshold.float().expand(vocab) if bias is None else bias.float() - threshold.float()
-    x_loc, x_scale = loc_rows.float(), scale_rows.float()
+    x_loc, x_scale = (loc_rows, scale_rows) if half else (loc_rows.float(), scale_rows.float())
     for k0 in range(0, vocab, classes):
         block = _WeightBlock.prepare(weight, k0, min(k0 + classes, vocab), scratch, grads)
         for r0 in range(0, n, rows):
@@ -346,20 +350,20 @@ class _WeightBlock:
 
     k0: int
     k1: int
-    weight: torch.Tensor  # [cols, C] fp32
+    weight: torch.Tensor  # [cols, C] fp32, or W's own half-precision rows for half-precision products
     abs_weight: torch.Tensor  # [cols, C]
-    grad_loc: torch.Tensor | None  # Σ ∂L/∂loc_S.T @ loc_U (a view of the final gradient when W is fp32)
+    grad_loc: torch.Tensor | None  # Σ ∂L/∂loc_S.T @ loc_U in fp32 (a view of the final gradient when W is fp32)
     grad_scale: torch.Tensor | None  # Σ ∂L/∂scale_S.T @ scale_U'
-    copied: bool
+    copied: bool  # grad_loc is a scratch buffer, copied into the final gradient at the end of the block
 
     @classmethod
     def prepare(cls, weight: torch.Tensor, k0: int, k1: int, scratch: _Scratch, grads: _Gradients) -> _WeightBlock:
         cols, features = k1 - k0, weight.shape[1]
         block = weight[k0:k1]
-        copied = scratch.weight is not None
-        if copied:
+        if scratch.weight is not None:
             block = _view(scratch.weight, cols, features).copy_(block)
         abs_block = torch.abs(block, out=_view(scratch.abs_weight, cols, features))
+        copied = scratch.weight_grad_loc is not None
         grad_loc = grad_scale = None
         if grads.weight is not None:
             grad_loc = _view(scratch.weight_grad_loc, cols, features) if copied else grads.weight[k0:k1]
@@ -376,6 +380,21 @@ class _WeightBlock:
             grads.weight[self.k0 : self.k1].copy_(self.grad_loc)
 
 
+def _half_products(weight: torch.Tensor, loc_rows: torch.Tensor, scale_rows: torch.Tensor) -> bool:
+    """Run the products on CUDA tensor cores with fp32 outputs: half-precision inputs on a GPU."""
+    half = (torch.bfloat16, torch.float16)
+    return weight.is_cuda and weight.dtype in half and loc_rows.dtype == scale_rows.dtype == weight.dtype
+
+
+def _addmm(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = acc + a @ b in fp32 (acc None: a @ b; acc may be `out` itself); half-precision a, b give fp32 too."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b, out=out) if acc is None else torch.addmm(acc, a, b, out=out)
+    if acc is None:
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    return torch.addmm(acc, a, b, out_dtype=torch.float32, out=out)
+
+
 def _tile(
     x_loc: torch.Tensor,
     x_scale: torch.Tensor,
@@ -388,8 +407,8 @@ def _tile(
 ) -> torch.Tensor:
     """Loss of one tile (fp64 scalar); with `with_grads`, leaves ∂L/∂loc_S and ∂L/∂scale_S in the scratch."""
     m, cols = x_loc.shape[0], block.k1 - block.k0
-    shifted = torch.addmm(shift, x_loc, block.weight.t(), out=_view(scratch.shifted, m, cols))
-    scale = torch.mm(x_scale, block.abs_weight.t(), out=_view(scratch.scale, m, cols))
+    shifted = _addmm(shift, x_loc, block.weight.t(), _view(scratch.shifted, m, cols))
+    scale = _addmm(None, x_scale, block.abs_weight.t(), _view(scratch.scale, m, cols))
     if with_grads:
         torch.lt(scale, scale_min, out=_view(scratch.clamped, m, cols))
     scale.clamp_(min=scale_min)
@@ -426,18 +445,21 @@ def _accumulate(
     m, cols = x_loc.shape[0], block.k1 - block.k0
     grad_scale_s = _view(scratch.shifted, m, cols)
     grad_loc_s = _view(scratch.scale, m, cols)
-    if grads.loc is not None:
-        grads.loc[r0 : r0 + m].addmm_(grad_loc_s, block.weight)
-    if grads.scale is not None:
-        grads.scale[r0 : r0 + m].addmm_(grad_scale_s, block.abs_weight)
-    if block.grad_loc is not None and first_rows:
-        torch.mm(grad_loc_s.t(), x_loc, out=block.grad_loc)
-        torch.mm(grad_scale_s.t(), x_scale, out=block.grad_scale)
-    elif block.grad_loc is not None:
-        block.grad_loc.addmm_(grad_loc_s.t(), x_loc)
-        block.grad_scale.addmm_(grad_scale_s.t(), x_scale)
     if grads.class_sum is not None:
         grads.class_sum[block.k0 : block.k1] += grad_loc_s.sum(0)
+    # Half-precision products take the tile gradients in the inputs' dtype.
+    grad_loc_s, grad_scale_s = grad_loc_s.to(x_loc.dtype), grad_scale_s.to(x_loc.dtype)
+    if grads.loc is not None:
+        acc = grads.loc[r0 : r0 + m]
+        _addmm(acc, grad_loc_s, block.weight, acc)
+    if grads.scale is not None:
+        acc = grads.scale[r0 : r0 + m]
+        _addmm(acc, grad_scale_s, block.abs_weight, acc)
+    if block.grad_loc is not None:
+        first = None if first_rows else block.grad_loc
+        _addmm(first, grad_loc_s.t(), x_loc, block.grad_loc)
+        first = None if first_rows else block.grad_scale
+        _addmm(first, grad_scale_s.t(), x_scale, block.grad_scale)
 
 
 def _finish_gradients(
