@@ -24,7 +24,6 @@ import math
 import torch
 from torch import nn
 from transformers import Trainer
-from transformers.trainer_pt_utils import get_parameter_names
 
 __all__ = ["CausalQwenTrainer", "LEARNING_RATE_SCALES", "parameter_groups"]
 
@@ -50,8 +49,6 @@ Qwen2.5-0.5B experiment (AdamW, no weight decay).
 _WRAPPER_WITH_ADAPTER = "modules_to_save"
 _WRAPPERS = {"original_module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
 
-# Trainer's rule (`Trainer.get_decay_parameter_names`): biases and norms do not decay.
-_NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
 
 
 def _components(name: str) -> list[str]:
@@ -115,9 +112,8 @@ def parameter_groups(model: nn.Module, learning_rate: float, weight_decay: float
         raise ValueError(f"weight_decay must be a non-negative finite number, got {weight_decay!r}")
     scales = _check_scales(LEARNING_RATE_SCALES if scales is None else scales)
     split = {key: ([p for p in key.split(".") if p], value) for key, value in scales.items()}
-    if no_decay is None:
-        no_decay = set(n for n, _ in model.named_parameters()) - set(
-            get_parameter_names(model, [nn.LayerNorm], _NO_DECAY_PATTERNS))
+    if no_decay is None:  # Trainer's rule: biases and norms do not decay (the method reads nothing of the trainer)
+        no_decay = {n for n, _ in model.named_parameters()} - set(Trainer.get_decay_parameter_names(None, model))
 
     groups: dict[tuple[float, float], dict] = {}
     for name, param in model.named_parameters():
