@@ -112,9 +112,15 @@ def sample(
     loc: torch.Tensor, scale: torch.Tensor, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     """A reparameterised draw loc + scale·tan(π(ε − 1/2)) with ε ~ U(0, 1), differentiable in loc and scale."""
-    where = generator.device if generator is not None else loc.device  # a CPU generator may drive GPU tensors
-    eps = torch.rand(loc.shape, generator=generator, device=where, dtype=torch.float32).to(loc.device)
+    eps = uniform(loc.shape, loc.device, generator)
     return loc + scale * standard_from_uniform(eps).to(loc.dtype)
+
+
+def uniform(shape: tuple[int, ...] | torch.Size, device: torch.device,
+            generator: torch.Generator | None = None) -> torch.Tensor:
+    """ε ~ U(0, 1) in fp32 on `device`, drawn where `generator` lives (a CPU generator may drive a GPU model)."""
+    where = generator.device if generator is not None else device
+    return torch.rand(shape, generator=generator, device=where, dtype=torch.float32).to(device)
 
 
 def standard_from_uniform(eps: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer, TextStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cauchy import standard_from_uniform
+from .cauchy import standard_from_uniform, uniform
 
 GENERATION_MODES = ("standard", "causal", "traditional")
 
@@ -168,10 +168,7 @@ class CausalGenerationState:
         if shared and self.shared_draw is not None:
             return self.shared_draw
         shape = (like.shape[0], like.shape[-1])
-        # Draw where the generator lives (a CPU generator may drive a model on a GPU), then move.
-        where = self.generator.device if self.generator is not None else like.device
-        eps = torch.rand(shape, generator=self.generator, device=where, dtype=torch.float32)
-        eps = eps.to(like.device, like.dtype)
+        eps = uniform(shape, like.device, self.generator).to(like.dtype)
         if shared:
             self.shared_draw = eps
         return eps

@@ -93,9 +93,7 @@ def _chunk_statistics(action, loc_s, scale_s, loc_u, scale_u, targets, num_id, g
     nll_softmax = -torch.log_softmax(loc_s, -1).gather(-1, targets[:, None]).squeeze(-1)
 
     # Causal mode: one individual u per position, the decision then carries the noise alone.
-    # Drawn where the generator lives (a CPU generator may drive a model on a GPU), then moved.
-    where = generator.device if generator is not None else loc_u.device
-    eps = torch.rand(loc_u.shape, generator=generator, device=where).to(loc_u.device)
+    eps = cauchy.uniform(loc_u.shape, loc_u.device, generator)
     u = loc_u + scale_u * cauchy.standard_from_uniform(eps)
     noise = action.b_noise.abs().float().expand_as(u)
     loc_c, scale_c = cauchy.linear(u, noise, action.cls_head.weight.float(), action.cls_head.bias.float())
