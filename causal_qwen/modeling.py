@@ -651,11 +651,12 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
         source = _load_qwen(model_or_path, dtype)
         use_numeric = config_overrides.get("use_numeric", True)
         num_token_id = config_overrides.pop("num_token_id", None)
-        token_source = model_or_path if isinstance(model_or_path, (str, os.PathLike)) else None
+        if use_numeric and tokenizer is None and isinstance(model_or_path, (str, os.PathLike)):
+            tokenizer = _load_tokenizer_beside(model_or_path)
         if use_numeric:
-            num_token_id = _resolve_num_token_id(num_token_id, tokenizer, token_source)
+            num_token_id = _resolve_num_token_id(num_token_id, tokenizer)
         base_vocab = source.config.vocab_size
-        row_ids = _num_row_ids(num_row_init, tokenizer, token_source, base_vocab) if use_numeric else None
+        row_ids = _num_row_ids(num_row_init, tokenizer, base_vocab) if use_numeric else None
         if num_token_id is not None and num_token_id > base_vocab:
             raise ValueError(
                 f"num_token_id {num_token_id} is beyond the vocabulary ({base_vocab} rows): the tokenizer does "
@@ -716,15 +717,13 @@ def _load_qwen(model_or_path, dtype) -> Qwen2ForCausalLM:
     )
 
 
-def _num_row_ids(num_row_init, tokenizer, token_source, base_vocab: int) -> list[int] | None:
+def _num_row_ids(num_row_init, tokenizer, base_vocab: int) -> list[int] | None:
     """The ids whose `lm_head` rows start the `<NUM>` row (None: keep the copied row)."""
     if isinstance(num_row_init, str):
         if num_row_init == "copy":
             return None
         if num_row_init != "digits":
             raise ValueError(f"num_row_init must be 'copy', 'digits' or a sequence of ids, got {num_row_init!r}")
-        if tokenizer is None and token_source is not None:
-            tokenizer = _load_tokenizer_beside(token_source)
         if tokenizer is None:
             raise ValueError("num_row_init='digits' needs a tokenizer (pass one, or a folder with one beside it)")
         ids = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
@@ -740,10 +739,8 @@ def _num_row_ids(num_row_init, tokenizer, token_source, base_vocab: int) -> list
     return ids
 
 
-def _resolve_num_token_id(num_token_id: int | None, tokenizer, token_source) -> int:
+def _resolve_num_token_id(num_token_id: int | None, tokenizer) -> int:
     """The `<NUM>` id: the override, else the tokenizer's (given, or saved beside the checkpoint)."""
-    if tokenizer is None and token_source is not None:
-        tokenizer = _load_tokenizer_beside(token_source)
     from_tokenizer = None
     if tokenizer is not None:
         from_tokenizer = getattr(tokenizer, "num_token_id", None)
