@@ -38,9 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     convert.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                          help="override a CausalQwenConfig field, e.g. --set ovr_threshold=20 (repeatable)")
-    convert.add_argument("--num-row-init", default="copy", choices=["copy", "digits"],
-                         help="the <NUM> row of the classification head: Qwen's row of that id (copy, DESIGN §3) "
-                              "or the mean of Qwen's rows of the digits 0-9")
+    convert.add_argument("--num-row-init", default="digits", choices=["copy", "digits"],
+                         help="the <NUM> row of the classification head: the mean of Qwen's rows of the digits 0-9 "
+                              "(default: <NUM> starts where Qwen expects a digit) or Qwen's row of that id (copy: "
+                              "a reserved, untrained row, so the model starts never writing a number)")
 
     generate = commands.add_parser("generate", help="generate text, numbers written as digits",
                                    description="Generate a continuation of PROMPT in any mode.")
@@ -73,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-length", type=int, default=128)
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--report-to", default="none", help="Trainer's report_to, e.g. tensorboard, wandb, none")
+    train.add_argument("--value-head-start", action=argparse.BooleanOptionalAction, default=True,
+                       help="fit the value head on the training data before the first step (default: on; "
+                            "see causal_qwen.value_head)")
 
     evaluate = commands.add_parser("eval", help="metrics table and plots",
                                    description="Evaluate every metric of DESIGN §6 and write plots as PNG files.")
@@ -88,8 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_data_arguments(parser: argparse.ArgumentParser, default_split: str, default_n: int) -> None:
     parser.add_argument("--data", default="corpus",
-                        help="'corpus' (the built-in numeric corpus) or a .jsonl/.csv/.txt file of texts")
+                        help="'corpus' (the built-in numeric corpus) or a .jsonl/.csv/.txt file of texts, or of "
+                             "prompt/completion pairs (then only the completion is trained and scored)")
     parser.add_argument("--text-column", default="text", help="column holding the text in .jsonl/.csv files")
+    parser.add_argument("--prompt-column", default="prompt",
+                        help="column of the prompt in prompt/completion .jsonl/.csv files")
+    parser.add_argument("--completion-column", default="completion",
+                        help="column of the completion in prompt/completion .jsonl/.csv files")
     parser.add_argument("--split", default=default_split,
                         choices=["train", "validation", "test", "extrapolation"], help="corpus split")
     parser.add_argument("--num-examples", type=int, default=default_n, help="corpus size")
@@ -170,34 +179,35 @@ def run_generate(args) -> int:
     return 0
 
 
-def _texts(args, split: str | None = None, n: int | None = None) -> list[str]:
+def _examples(args, split: str | None = None, n: int | None = None) -> list:
+    """Texts or prompt/completion dicts, from the built-in corpus or a data file."""
     from .data import generate_corpus
-    from .data.texts import read_texts
+    from .data.texts import read_examples
 
     if args.data == "corpus":
         return [example.text for example in generate_corpus(n or args.num_examples, split=split or args.split,
                                                             seed=args.seed)]
-    return read_texts(args.data, args.text_column)
+    return read_examples(args.data, args.text_column, args.prompt_column, args.completion_column)
 
 
 def run_train(args) -> int:
     from transformers import TrainingArguments
 
     from .data import CausalQwenDataCollator
-    from .data.texts import tokenize_texts
+    from .data.texts import tokenize_examples
     from .plots import plot_loss_curves
     from .training import CausalQwenTrainer
 
     model, tokenizer = _load(args.model)
     model.train()
-    train_features = tokenize_texts(tokenizer, _texts(args), args.max_length)
+    train_features = tokenize_examples(tokenizer, _examples(args), args.max_length)
     if args.eval_data and args.eval_data != "corpus":
-        eval_texts = _texts(argparse.Namespace(**{**vars(args), "data": args.eval_data}))
+        eval_examples = _examples(argparse.Namespace(**{**vars(args), "data": args.eval_data}))
     elif args.eval_data == "corpus" or args.data == "corpus":
-        eval_texts = _texts(args, split="validation", n=max(16, args.num_examples // 10))
+        eval_examples = _examples(args, split="validation", n=max(16, args.num_examples // 10))
     else:
-        eval_texts = []
-    eval_features = tokenize_texts(tokenizer, eval_texts, args.max_length) or None
+        eval_examples = []
+    eval_features = tokenize_examples(tokenizer, eval_examples, args.max_length) or None
     training_args = TrainingArguments(
         output_dir=args.output, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size, learning_rate=args.learning_rate, seed=args.seed,
@@ -206,7 +216,8 @@ def run_train(args) -> int:
     )
     collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
     trainer = CausalQwenTrainer(model=model, args=training_args, train_dataset=train_features,
-                                eval_dataset=eval_features, data_collator=collator)
+                                eval_dataset=eval_features, data_collator=collator,
+                                value_head_start=args.value_head_start)
     trainer.train()
     model.save_pretrained(args.output)
     tokenizer.save_pretrained(args.output)
@@ -220,11 +231,11 @@ def run_eval(args) -> int:
     from tqdm.auto import tqdm
 
     from .data import CausalQwenDataCollator
-    from .data.texts import tokenize_texts
+    from .data.texts import tokenize_examples
     from .metrics import evaluate
 
     model, tokenizer = _load(args.model)
-    features = tokenize_texts(tokenizer, _texts(args), args.max_length)
+    features = tokenize_examples(tokenizer, _examples(args), args.max_length)
     if not features:
         raise SystemExit("no evaluation texts")
     collator = CausalQwenDataCollator.from_tokenizer(tokenizer)

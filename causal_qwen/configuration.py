@@ -8,6 +8,8 @@ from huggingface_hub.dataclasses import strict
 from transformers import Qwen2Config
 
 VALUE_TRANSFORMS = ("identity", "symlog")
+# γ_Y's start in symlog units (an interval of about ×e around the median) until `fit_value_head` measures it.
+DEFAULT_REGRESSION_NOISE = 1.0
 _FLOAT_FIELDS = (
     "abduction_scale_init", "noise_init", "ovr_threshold", "gate_alpha", "reg_loss_weight", "scale_min",
     "abduction_anchor_weight", "regression_noise",
@@ -50,12 +52,17 @@ class CausalQwenConfig(Qwen2Config):
         value_transform (`str`):
             `"identity"`: the regression head models the value itself; `"symlog"`: it models
             `sign(v)·ln(1 + |v|)`, and values are mapped back by the inverse.
-        regression_noise (`float`, defaults to 0.0):
+        regression_noise (`float`, *optional*, defaults to 1.0 with `use_numeric`, else 0.0):
             Initial scale γ_Y of an exogenous Cauchy noise on the value, Y = w_reg·U' + b_reg + η with
-            η ~ Cauchy(0, γ_Y), so that `scale_Y = |w_reg|·scale_U' + γ_Y`. 0 (the default, DESIGN.md §1) adds no
-            noise and no parameter. When positive, γ_Y is learnable through its logarithm (`action.reg_log_noise`):
-            it lets the value's interval widen to the errors of the regression without widening the class
-            decisions, whose scale must stay of order 1/V (DESIGN.md §8).
+            η ~ Cauchy(0, γ_Y), so that `scale_Y = |w_reg|·scale_U' + γ_Y`, in the space of `value_transform`.
+            γ_Y is learnable through its logarithm (`action.reg_log_noise`): it lets the value's interval widen to
+            the errors of the regression without widening the class decisions, whose scale must stay of order 1/V.
+            Without it the value's interval is ~1e-3 wide where the errors are ~1 and covers ~1% of the targets
+            (docs/experiments.md). [`fit_value_head`] restarts it at the read-out's residual scale. 0 gives the
+            seeds' model exactly (no noise, no parameter).
+        value_head_fit (`dict`, *optional*):
+            Set by [`fit_value_head`] when the value head was started from data (positions, penalty, residual
+            scale); a model that has it is not fitted again by `CausalQwenTrainer`.
         abduction_anchor_weight (`float`, defaults to 0.0):
             β of the abduction anchor (DESIGN.md §4, §7): when positive, the model keeps a frozen copy of its
             abduction network (`abduction_anchor`) and the loss adds β times the mean over labelled positions of
@@ -92,11 +99,14 @@ class CausalQwenConfig(Qwen2Config):
     scale_min: float = 1e-6
     value_transform: str = "symlog"
     abduction_anchor_weight: float = 0.0
-    regression_noise: float = 0.0
+    regression_noise: float | None = None
+    value_head_fit: dict | None = None
 
     def __post_init__(self, **kwargs):
         if self.causal_size is None:
             self.causal_size = self.hidden_size
+        if self.regression_noise is None:
+            self.regression_noise = DEFAULT_REGRESSION_NOISE if self.use_numeric else 0.0
         # Checked here rather than in a `validate_*` hook so that users get a plain ValueError/TypeError.
         self._check_causal_fields()
         super().__post_init__(**kwargs)

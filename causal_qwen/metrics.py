@@ -128,6 +128,9 @@ def summarize(stats: torch.Tensor, model, prefix: str = "eval/") -> dict[str, fl
     metrics: dict[str, float] = {}
     if stats.shape[0] == 0:
         return metrics
+    # How many positions were scored: with prompt/completion data, only the completions'.
+    metrics[f"{prefix}positions"] = float(stats.shape[0])
+    metrics[f"{prefix}num_targets"] = col["target_is_num"].sum().item()
     metrics[f"{prefix}accuracy"] = col["correct"].mean().item()
     metrics[f"{prefix}ppl_softmax"] = math.exp(min(col["nll_softmax"].mean().item(), 700.0))
     metrics[f"{prefix}ppl_ovr"] = math.exp(min(col["nll_ovr"].mean().item(), 700.0))

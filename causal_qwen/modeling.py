@@ -20,7 +20,7 @@ from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.qwen2.modeling_qwen2 import Qwen2PreTrainedModel
-from transformers.utils import ModelOutput, can_return_tuple
+from transformers.utils import ModelOutput, can_return_tuple, logging
 
 from .cauchy import kl_divergence, ovr_probability, quantile, symexp, symlog
 from .cauchy import linear as cauchy_linear
@@ -37,6 +37,8 @@ from .loss import IGNORE_INDEX, causal_qwen_loss, safe_mean
 from .modelcard import write_model_card
 
 __all__ = ["CausalQwenOutput", "CausalQwenPreTrainedModel", "CausalQwenForCausalLM"]
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -626,7 +628,7 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
         tokenizer=None,
         *,
         dtype: torch.dtype | str | None = None,
-        num_row_init: str | Sequence[int] = "copy",
+        num_row_init: str | Sequence[int] | None = None,
         **config_overrides,
     ) -> CausalQwenForCausalLM:
         """Build a CausalQwen from a Qwen2 causal LM, initialised as in DESIGN.md §3.
@@ -640,12 +642,14 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
             tokenizer: gives the `<NUM>` id (`tokenizer.num_token_id`, else `len(tokenizer)`); when
                 omitted, the tokenizer saved beside a checkpoint folder is used.
             dtype: dtype to load a checkpoint in (default float32); an object keeps its own dtype.
-            num_row_init: the `<NUM>` row of the classification head. `"copy"` (DESIGN.md §3): Qwen's row of
-                that id, which for a reserved id was never trained, so P_<NUM> starts near 0 everywhere and the
-                gated regression loss with it. `"digits"`: the mean of Qwen's rows of the tokens "0" … "9" (read
-                from the tokenizer), so that `<NUM>` starts where Qwen expects a digit. A sequence of ids averages
-                those rows. Either way every other row is Qwen's, and since the mean of some logits never exceeds
-                their maximum (ties go to the lower id), greedy `traditional` decoding of text still equals Qwen's.
+            num_row_init: the `<NUM>` row of the classification head. `"digits"` (the default when a tokenizer is
+                known): the mean of Qwen's rows of the tokens "0" … "9", so that `<NUM>` starts where Qwen expects
+                a digit. `"copy"` (the seeds' choice): Qwen's row of that id, which for a reserved id was never
+                trained, so P_<NUM> starts near 0 everywhere, the gated regression loss with it, and the trained
+                model never writes a number. A sequence of ids averages those rows. Either way every other row is
+                Qwen's, and since the mean of some logits never exceeds their maximum (ties go to the lower id),
+                greedy `traditional` decoding of text still equals Qwen's. Without a tokenizer the default falls
+                back to `"copy"`, with a warning.
             **config_overrides: any field of [`CausalQwenConfig`], e.g. `num_token_id`, `ovr_threshold`.
         """
         source = _load_qwen(model_or_path, dtype)
@@ -656,6 +660,12 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
         if use_numeric:
             num_token_id = _resolve_num_token_id(num_token_id, tokenizer)
         base_vocab = source.config.vocab_size
+        if num_row_init is None:
+            num_row_init = "digits" if _digit_ids(tokenizer) is not None else "copy"
+            if use_numeric and num_row_init == "copy":
+                logger.warning("from_qwen: no tokenizer with the digits 0-9, so the <NUM> row of the classification "
+                               "head copies Qwen's row of that id (num_row_init='copy'); pass tokenizer= to start it "
+                               "at the digits' mean, without which the model learns to write numbers very slowly")
         row_ids = _num_row_ids(num_row_init, tokenizer, base_vocab) if use_numeric else None
         if num_token_id is not None and num_token_id > base_vocab:
             raise ValueError(
@@ -726,9 +736,8 @@ def _num_row_ids(num_row_init, tokenizer, base_vocab: int) -> list[int] | None:
             raise ValueError(f"num_row_init must be 'copy', 'digits' or a sequence of ids, got {num_row_init!r}")
         if tokenizer is None:
             raise ValueError("num_row_init='digits' needs a tokenizer (pass one, or a folder with one beside it)")
-        ids = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
-        unknown = getattr(tokenizer, "unk_token_id", None)
-        if any(i is None or i == unknown for i in ids):
+        ids = _digit_ids(tokenizer)
+        if ids is None:
             raise ValueError("num_row_init='digits': the tokenizer has no single token for every digit 0-9")
     else:
         ids = list(num_row_init)
@@ -737,6 +746,16 @@ def _num_row_ids(num_row_init, tokenizer, base_vocab: int) -> list[int] | None:
     if not all(0 <= i < base_vocab for i in ids):
         raise ValueError(f"num_row_init ids must lie inside the checkpoint's vocabulary [0, {base_vocab})")
     return ids
+
+
+def _digit_ids(tokenizer) -> list[int] | None:
+    """The ids of the tokens "0" … "9", or None when the tokenizer has no single token for each."""
+    convert = getattr(tokenizer, "convert_tokens_to_ids", None)
+    if convert is None:
+        return None
+    ids = [convert(str(d)) for d in range(10)]
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    return None if any(not isinstance(i, int) or i == unknown for i in ids) else ids
 
 
 def _resolve_num_token_id(num_token_id: int | None, tokenizer) -> int:

@@ -42,16 +42,21 @@ def test_convert_generate_train_eval(tmp_path, qwen25_dir, capsys):
     model = CausalQwenForCausalLM.from_pretrained(converted)
     assert model.config.num_token_id == 151665 and model.config.ovr_threshold == 1.5
     ids = torch.tensor([[9707, 1879, 11]])
-    with torch.no_grad():
-        assert (model(ids).loc_S - qwen(ids).logits).abs().max() <= 1e-5
-
-    digits_dir = tmp_path / "cq-digits"
-    assert main(["convert", str(base), str(digits_dir), "--num-row-init", "digits",
-                 "--set", "regression_noise=0.5"]) == 0
-    with_digits = CausalQwenForCausalLM.from_pretrained(digits_dir)
+    other = torch.arange(151936) != 151665
     digit_ids = [15, 16, 17, 18, 19, 20, 21, 22, 23, 24]  # "0" ... "9" in Qwen2.5's vocabulary
-    torch.testing.assert_close(with_digits.action.cls_head.weight[151665], qwen.lm_head.weight[digit_ids].mean(0))
-    assert with_digits.action.reg_log_noise.exp().item() == pytest.approx(0.5)
+    with torch.no_grad():
+        assert (model(ids).loc_S[..., other] - qwen(ids).logits[..., other]).abs().max() <= 1e-5
+    # By default <NUM> starts at the mean of the digit rows, and the value has its own noise (DESIGN §3, §1).
+    torch.testing.assert_close(model.action.cls_head.weight[151665], qwen.lm_head.weight[digit_ids].mean(0))
+    assert model.action.reg_log_noise.exp().item() == pytest.approx(1.0)
+
+    copied_dir = tmp_path / "cq-copy"
+    assert main(["convert", str(base), str(copied_dir), "--num-row-init", "copy",
+                 "--set", "regression_noise=0.5"]) == 0
+    copied = CausalQwenForCausalLM.from_pretrained(copied_dir)
+    with torch.no_grad():
+        assert (copied(ids).loc_S - qwen(ids).logits).abs().max() <= 1e-5
+    assert copied.action.reg_log_noise.exp().item() == pytest.approx(0.5)
 
     capsys.readouterr()
     assert main(["generate", str(converted), "Price: 3.5 dollars", "--mode", "causal", "--seed", "1",
@@ -76,3 +81,29 @@ def test_convert_generate_train_eval(tmp_path, qwen25_dir, capsys):
     metrics = json.loads(report.read_text())
     assert {"eval/accuracy", "eval/ppl_ovr", "eval/reg_mae", "dist/ovr_prob_sum_median"} <= metrics.keys()
     assert (plots / "predictions.png").stat().st_size > 0 and (plots / "u_scale.png").stat().st_size > 0
+
+
+def test_train_and_eval_on_prompt_completion_data(tmp_path, qwen25_dir, capsys):
+    base = tmp_path / "base"
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(tiny_qwen2_config(vocab_size=151936)).eval().save_pretrained(base)
+    for name in TOKENIZER_FILES:
+        shutil.copy(qwen25_dir / name, base / name)
+    converted, trained = tmp_path / "cq", tmp_path / "trained"
+    assert main(["convert", str(base), str(converted)]) == 0
+    pairs = [{"q": f"{a} apples at {b} dollars each cost", "a": f" {a * b} dollars."}
+             for a in range(2, 8) for b in (3, 5, 1.5)]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(json.dumps(p) for p in pairs))
+    assert main(["train", str(converted), str(trained), "--data", str(data), "--prompt-column", "q",
+                 "--completion-column", "a", "--max-steps", "2", "--batch-size", "4"]) == 0
+    after = CausalQwenForCausalLM.from_pretrained(trained)
+    # The value head was started from the completions' numbers: one row per pair (the prompt's are not labelled).
+    assert after.config.value_head_fit["positions"] == len(pairs)
+    report = tmp_path / "metrics.json"
+    assert main(["eval", str(trained), "--data", str(data), "--prompt-column", "q", "--completion-column", "a",
+                 "--json", str(report)]) == 0
+    metrics = json.loads(report.read_text())
+    # Scored positions: the completion's " ", <NUM>, " dollars", "." and the end of text; the numbers are the answers.
+    assert metrics["eval/num_targets"] == len(pairs)
+    assert metrics["eval/positions"] == 5 * len(pairs)

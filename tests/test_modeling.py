@@ -66,7 +66,12 @@ def test_init_reproduces_qwen_from_saved_dir_with_real_tokenizer(tmp_path, qwen2
     with torch.no_grad():
         reference = qwen(ids, output_hidden_states=True)
         out = model(ids)
-    assert (out.loc_S - reference.logits).abs().max().item() <= 1e-5
+    # DESIGN §3 (revision 2): every column is Qwen's but <NUM>'s, which by default starts at the digits' mean.
+    other = torch.arange(151936) != 151665
+    assert (out.loc_S[..., other] - reference.logits[..., other]).abs().max().item() <= 1e-5
+    digits = [15, 16, 17, 18, 19, 20, 21, 22, 23, 24]  # "0" ... "9" in the Qwen2.5 vocabulary
+    expected_num = reference.logits[..., digits].mean(-1)
+    assert (out.loc_S[..., 151665] - expected_num).abs().max().item() <= 1e-5
     assert (out.loc_U - reference.hidden_states[-1]).abs().max().item() <= 1e-5
 
 
@@ -123,7 +128,8 @@ def test_heads_equal_their_formulas(tiny_qwen):
     loc_s = loc_u @ w_cls.T + act.cls_head.bias.double()
     scale_s = scale_u_noisy @ w_cls.abs().T
     loc_y = loc_u @ w_reg + act.reg_head.bias.double()
-    scale_y = scale_u_noisy @ w_reg.abs()
+    gamma_y = act.reg_log_noise.double().exp()  # DESIGN §1 revision 2: the value's own noise, on by default
+    scale_y = scale_u_noisy @ w_reg.abs() + gamma_y
     for got, want in [(out.loc_U, loc_u), (out.scale_U, scale_u), (out.loc_S, loc_s), (out.scale_S, scale_s),
                       (out.loc_Y, loc_y), (out.scale_Y, scale_y)]:
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
@@ -334,7 +340,12 @@ def test_real_qwen25_init_matches_qwen(qwen25_dir):
     with torch.no_grad():
         reference = qwen(ids, output_hidden_states=True)
         out = model(ids)
-    assert (out.loc_S - reference.logits).abs().max().item() <= 1e-5
+    # DESIGN §3 (revision 2): every column is Qwen's but <NUM>'s, which by default starts at the digits' mean.
+    other = torch.arange(151936) != 151665
+    assert (out.loc_S[..., other] - reference.logits[..., other]).abs().max().item() <= 1e-5
+    digits = [15, 16, 17, 18, 19, 20, 21, 22, 23, 24]  # "0" ... "9" in the Qwen2.5 vocabulary
+    expected_num = reference.logits[..., digits].mean(-1)
+    assert (out.loc_S[..., 151665] - expected_num).abs().max().item() <= 1e-5
     assert (out.loc_U - reference.hidden_states[-1]).abs().max().item() <= 1e-5
     assert torch.isfinite(out.scale_S).all() and torch.isfinite(out.loc_Y).all()
 
@@ -410,7 +421,9 @@ def test_abduction_finetuning_with_kl_anchor(tiny_qwen, tmp_path):
 
 
 def test_regression_noise_adds_a_learnable_value_scale(tiny_qwen, tmp_path):
-    assert build(tiny_qwen).action.reg_log_noise is None  # DESIGN.md §1 by default: no extra parameter
+    # DESIGN.md §1 revision 2: γ_Y > 0 by default (1.0 until the value head is fitted); 0 is the seeds' model.
+    assert build(tiny_qwen).action.reg_log_noise.item() == 0.0
+    assert build(tiny_qwen, regression_noise=0.0).action.reg_log_noise is None
     model = build(tiny_qwen, regression_noise=0.7)
     assert model.action.reg_log_noise.item() == pytest.approx(math.log(0.7))
     randomize_heads(model)

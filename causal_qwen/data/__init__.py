@@ -23,6 +23,7 @@ from .real import (
     load_seattle_weather,
     real_splits,
 )
+from .texts import read_examples, read_texts, tokenize_examples, tokenize_texts
 
 __all__ = [
     "CausalQwenDataCollator",
@@ -40,7 +41,11 @@ __all__ = [
     "load_real",
     "load_seattle_weather",
     "make_splits",
+    "read_examples",
+    "read_texts",
     "real_splits",
     "template_baselines",
     "to_jsonl",
+    "tokenize_examples",
+    "tokenize_texts",
 ]

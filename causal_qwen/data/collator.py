@@ -19,7 +19,9 @@ class CausalQwenDataCollator:
 
     Each feature is a dict as the tokenizer returns it for one text (lists or 1-D tensors). Missing
     `labels` default to the ids (the model shifts them), missing `numeric_labels` to `numeric_values`;
-    padding gets label −100 and value 0. `numeric_labels` is always returned, because `Trainer` treats
+    padding gets label −100 and value 0. Prompt/completion data: features from `tokenize_examples` carry their
+    `labels` (−100 on the prompt); a feature with a `completion_mask` (TRL's form: 1 on the completion) gets
+    label −100 wherever the mask is 0. `numeric_labels` is always returned, because `Trainer` treats
     every forward argument whose name contains "label" as a label and computes the evaluation loss
     only when all of them are present.
 
@@ -67,7 +69,10 @@ class CausalQwenDataCollator:
                               ("numeric_labels", numeric_labels)):
                 if len(seq) != n:
                     raise ValueError(f"{name} has length {len(seq)} but input_ids has {n}")
-            labels = [lab if m else IGNORE_INDEX for lab, m in zip(labels, mask, strict=True)]
+            completion = _as_list(feature.get("completion_mask", [1] * n), "completion_mask")
+            if len(completion) != n:
+                raise ValueError(f"completion_mask has length {len(completion)} but input_ids has {n}")
+            labels = [lab if m and c else IGNORE_INDEX for lab, m, c in zip(labels, mask, completion, strict=True)]
             batch["input_ids"].append(self._pad(row, length, self.pad_token_id))
             batch["attention_mask"].append(self._pad(mask, length, 0))
             batch["labels"].append(self._pad(labels, length, IGNORE_INDEX))

@@ -1,0 +1,171 @@
+"""Start the value head from data: a least-squares read-out of loc_U, fitted before the first optimizer step.
+
+With a frozen backbone the regression head is a linear read-out of loc_U, whose few dimensions of huge variance
+(|z| above 100 in Qwen2.5) dominate every Adam step: at rates that keep Qwen's logits intact the head needs
+hundreds of steps to find the level of the targets (symlog values near 8), and its median misses by ~100% until
+then. Least squares finds the read-out at once, so training starts from it (a linear probe, then fine-tuning):
+
+- the rows are the positions whose label is `<NUM>` (exactly where the regression loss reads the head), x = loc_U
+  there, y = the true value in the head's space (`value_transform`);
+- ridge regression on standardised features, in float64: `w_reg`, `b_reg`; the penalty is chosen among
+  `penalties` by the median absolute leave-one-out residual (exact for ridge, from one SVD);
+- γ_Y, the value's own noise scale, starts at the median absolute leave-one-out residual: the median |Y − m| of a
+  Cauchy(m, γ) is γ, and out-of-sample residuals do not shrink with the number of features as in-sample ones do.
+
+`CausalQwenTrainer` calls [`fit_value_head`] before its first step; for `Trainer` or a custom loop call it
+yourself. The fit is recorded in `config.value_head_fit`, so a saved and reloaded model does not redo it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .cauchy import symlog
+
+__all__ = ["ValueHeadFit", "fit_value_head", "ridge_readout", "value_head_rows"]
+
+PENALTIES = (0.1, 1.0, 10.0, 100.0, 1000.0, 10000.0)
+"""Ridge penalties tried, on features standardised to unit variance (the penalty is in units of positions)."""
+
+
+@dataclass
+class ValueHeadFit:
+    """What [`fit_value_head`] did: the rows it used, the penalty it chose and the residual scale it measured."""
+
+    positions: int
+    penalty: float
+    loo_median_abs_error: float
+    regression_noise: float | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.no_grad()
+def value_head_rows(
+    model, batches: Iterable[Mapping[str, torch.Tensor]], max_positions: int = 4096
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(x, y)` float64 on the CPU: loc_U `[N, C]` at the positions whose next label is `<NUM>`, and the true values
+    `[N]` in the head's space. Batches are what the model's forward takes (`input_ids`, `numeric_values`,
+    `labels`, optional `numeric_labels`, `attention_mask`); reading stops once `max_positions` rows are in.
+    """
+    num_id = model.config.num_token_id
+    device = next(model.parameters()).device
+    xs: list[torch.Tensor] = []
+    ys: list[torch.Tensor] = []
+    count = 0
+    for batch in batches:
+        labels = batch["labels"].to(device)
+        targets = torch.full_like(labels, -100)
+        targets[:, :-1] = labels[:, 1:]
+        where = targets == num_id
+        if not bool(where.any()):
+            continue
+        values = batch.get("numeric_labels")
+        if values is None:
+            values = batch["numeric_values"]
+        shifted = torch.zeros_like(values, dtype=torch.float64, device=device)
+        shifted[:, :-1] = values[:, 1:].to(device=device, dtype=torch.float64)
+        inputs = {k: batch[k].to(device) for k in ("input_ids", "numeric_values", "attention_mask", "position_ids")
+                  if batch.get(k) is not None}
+        out = model(**inputs, logits_to_keep=0, output_distributions=False)
+        xs.append(out.loc_U[where].double().cpu())
+        ys.append(shifted[where].cpu())
+        count += int(where.sum())
+        if count >= max_positions:
+            break
+    if not xs:
+        raise ValueError("batches hold no position whose label is <NUM>: there is nothing to fit the value head on")
+    x, y = torch.cat(xs)[:max_positions], torch.cat(ys)[:max_positions]
+    return x, (symlog(y) if model.config.value_transform == "symlog" else y)
+
+
+def ridge_readout(
+    x: torch.Tensor, y: torch.Tensor, penalties: Sequence[float] = PENALTIES
+) -> tuple[torch.Tensor, float, float, float]:
+    """Ridge regression of `y` `[N]` on `x` `[N, C]` with the penalty of least median |leave-one-out residual|.
+
+    Features are centred and scaled to unit variance (the penalty then weighs every dimension alike, whatever its
+    raw scale); the intercept is not penalised. Leave-one-out residuals (refitting without row i, features
+    standardised once with every row) are exact in closed form for ridge: e_i / (1 − h_ii) with h the hat matrix,
+    here from one SVD of the standardised features.
+
+    Returns:
+        `(weight [C], bias, penalty, median |LOO residual|)`, in float64.
+    """
+    if x.dim() != 2 or y.dim() != 1 or x.shape[0] != y.shape[0]:
+        raise ValueError(f"x must be [N, C] and y [N], got {tuple(x.shape)} and {tuple(y.shape)}")
+    if x.shape[0] < 3:
+        raise ValueError(f"the value head needs at least 3 <NUM> positions to fit, got {x.shape[0]}")
+    if not penalties or not all(math.isfinite(p) and p > 0 for p in penalties):
+        raise ValueError(f"penalties must be positive finite numbers, got {penalties!r}")
+    x, y = x.double(), y.double()
+    mean, std = x.mean(0), x.std(0).clamp(min=1e-6)
+    a = (x - mean) / std
+    centred = y - y.mean()
+    u, s, vh = torch.linalg.svd(a, full_matrices=False)
+    uty = u.T @ centred
+    n = x.shape[0]
+    best = None
+    for penalty in penalties:
+        shrink = s.square() / (s.square() + penalty)
+        fitted = u @ (shrink * uty)
+        # The intercept is a free parameter too: its leverage is 1/n.
+        leverage = (u.square() * shrink).sum(1) + 1.0 / n
+        loo = (centred - fitted) / (1.0 - leverage).clamp(min=1e-12)
+        error = loo.abs().quantile(0.5).item()
+        if best is None or error < best[1]:
+            best = (penalty, error, shrink)
+    penalty, error, shrink = best
+    coef = vh.T @ (shrink / s.clamp(min=1e-12) * uty)
+    weight = coef / std
+    bias = (y.mean() - (weight * mean).sum()).item()
+    return weight, bias, float(penalty), float(error)
+
+
+@torch.no_grad()
+def fit_value_head(
+    model,
+    batches: Iterable[Mapping[str, torch.Tensor]],
+    *,
+    penalties: Sequence[float] = PENALTIES,
+    max_positions: int = 4096,
+) -> ValueHeadFit:
+    """Set `w_reg`, `b_reg` (and γ_Y when the model has one) from a ridge read-out of loc_U on `batches`.
+
+    Args:
+        model: a [`CausalQwenForCausalLM`] with `use_numeric=True`.
+        batches: batches as the collator gives them, with `labels` (the rows are the positions whose next label is
+            `<NUM>`, so prompt positions labelled −100 are left out) and the numbers in `numeric_labels` or
+            `numeric_values`. The training batches, before the first step, are the intended input.
+        penalties: ridge penalties to choose from (on standardised features).
+        max_positions: read batches until this many rows are in.
+
+    Returns:
+        A [`ValueHeadFit`], also stored as a dict in `model.config.value_head_fit` (saved with the config).
+
+        >>> fit = fit_value_head(model, trainer.get_eval_dataloader(train_dataset))   # plain Trainer
+    """
+    if not getattr(model.config, "use_numeric", False) or getattr(model, "action", None) is None:
+        raise ValueError("fit_value_head needs a CausalQwen model with use_numeric=True (it has a value head)")
+    head = model.action.reg_head
+    was_training = model.training
+    model.eval()
+    try:
+        x, y = value_head_rows(model, batches, max_positions)
+    finally:
+        model.train(was_training)
+    weight, bias, penalty, error = ridge_readout(x, y, penalties)
+    head.weight.copy_(weight.to(head.weight)[None])
+    head.bias.fill_(bias)
+    noise = None
+    if model.action.reg_log_noise is not None:
+        noise = max(error, model.config.scale_min)
+        model.action.reg_log_noise.fill_(math.log(noise))
+    fit = ValueHeadFit(positions=int(x.shape[0]), penalty=penalty, loo_median_abs_error=error, regression_noise=noise)
+    model.config.value_head_fit = fit.to_dict()
+    return fit

@@ -1,0 +1,78 @@
+"""Reading data files and tokenizing texts and prompt/completion pairs (labels only on the completion)."""
+
+import json
+
+import pytest
+
+from causal_qwen import CausalQwenTokenizer
+from causal_qwen.data import CausalQwenDataCollator, read_examples, read_texts, tokenize_examples
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen25_dir):
+    return CausalQwenTokenizer.from_pretrained(qwen25_dir)
+
+
+def test_read_examples_detects_prompt_completion(tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "3 plus 4 is", "completion": " 7."}\n\n{"prompt": "a", "completion": "b"}\n')
+    assert read_examples(pairs) == [{"prompt": "3 plus 4 is", "completion": " 7."}, {"prompt": "a", "completion": "b"}]
+    table = tmp_path / "pairs.csv"
+    table.write_text("question,answer\nHow many?,12\n")
+    assert read_examples(table, prompt_column="question", completion_column="answer") == [
+        {"prompt": "How many?", "completion": "12"}]
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text(json.dumps({"text": "It costs 5 dollars."}))
+    assert read_examples(texts) == read_texts(texts) == ["It costs 5 dollars."]
+    lines = tmp_path / "lines.txt"
+    lines.write_text("one\n\ntwo\n")
+    assert read_examples(lines) == ["one", "two"]
+    with pytest.raises(ValueError, match="no text column 'body'"):
+        read_examples(texts, text_column="body")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x", "completion": 3}')
+    with pytest.raises(ValueError, match="row 0 .* 'completion'"):
+        read_examples(bad)
+    other = tmp_path / "data.parquet"
+    other.write_text("")
+    with pytest.raises(ValueError, match="must end in"):
+        read_examples(other)
+
+
+def test_prompt_completion_labels_only_the_completion(tokenizer):
+    prompt, completion = "The reading was 12.5 grams; the scale shows", " 12.4 grams."
+    (feature,) = tokenize_examples(tokenizer, [{"prompt": prompt, "completion": completion}])
+    alone_prompt, alone_completion = tokenizer(prompt), tokenizer(completion)
+    n = len(alone_prompt["input_ids"])
+    assert feature["input_ids"] == alone_prompt["input_ids"] + alone_completion["input_ids"] + [tokenizer.eos_token_id]
+    assert feature["labels"][:n] == [-100] * n
+    assert feature["labels"][n:] == feature["input_ids"][n:]
+    assert feature["numeric_values"][:n] == alone_prompt["numeric_values"]  # the prompt's 12.5 is read as a value
+    assert 12.5 in feature["numeric_values"][:n] and feature["numeric_values"][n:].count(12.4) == 1
+    # The collator keeps the prompt unlabelled and pads; the model's shifted loss then reads only the completion.
+    batch = CausalQwenDataCollator.from_tokenizer(tokenizer)([feature, {"input_ids": [1, 2]}])
+    assert batch["labels"][0, :n].eq(-100).all() and batch["labels"][0, n:].ne(-100).all()
+
+
+def test_truncation_keeps_the_completion(tokenizer):
+    (feature,) = tokenize_examples(tokenizer, [{"prompt": "one two three four five six", "completion": " 7"}],
+                                   max_length=4)
+    assert len(feature["input_ids"]) == 4
+    assert feature["input_ids"][-3:] == tokenizer(" 7")["input_ids"] + [tokenizer.eos_token_id]
+    assert feature["labels"][0] == -100 and feature["numeric_values"][-2] == 7.0
+
+
+def test_texts_and_pairs_mix_and_bad_examples(tokenizer):
+    features = tokenize_examples(tokenizer, ["It costs 5 dollars.", {"prompt": "2 and 2 make", "completion": " 4"}],
+                                 add_eos=False)
+    assert "labels" not in features[0] and features[0]["numeric_values"].count(5.0) == 1
+    assert features[1]["input_ids"][-1] == tokenizer.num_token_id and features[1]["labels"][-1] == tokenizer.num_token_id
+    with pytest.raises(ValueError, match=r"examples\[0\] must be a text or a dict"):
+        tokenize_examples(tokenizer, [{"prompt": "x"}])
+
+
+def test_collator_honours_a_completion_mask():
+    batch = CausalQwenDataCollator(0)([{"input_ids": [4, 5, 6, 7], "completion_mask": [0, 0, 1, 1]}])
+    assert batch["labels"].tolist() == [[-100, -100, 6, 7]]
+    with pytest.raises(ValueError, match="completion_mask has length 3"):
+        CausalQwenDataCollator(0)([{"input_ids": [4, 5, 6, 7], "completion_mask": [0, 1, 1]}])

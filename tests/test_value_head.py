@@ -1,0 +1,192 @@
+"""The value head's start from data: ridge read-out, leave-one-out choice, γ_Y, the trainer's hook, the defaults."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from ddp_worker import NUM, dataset
+from transformers import Trainer, TrainingArguments
+
+from causal_qwen import CausalQwenForCausalLM
+from causal_qwen.cauchy import symlog
+from causal_qwen.data.collator import CausalQwenDataCollator
+from causal_qwen.training import CausalQwenTrainer
+from causal_qwen.value_head import fit_value_head, ridge_readout
+
+
+def _numpy_ridge(x: np.ndarray, y: np.ndarray, penalty: float, scaling=None) -> tuple[np.ndarray, float]:
+    """Ridge with an unpenalised intercept on unit-variance features, as an augmented least-squares problem."""
+    mean, std = scaling if scaling is not None else (x.mean(0), x.std(0, ddof=1))
+    a = (x - mean) / std
+    n, c = a.shape
+    design = np.hstack([a, np.ones((n, 1))])
+    augmented = np.vstack([design, np.hstack([math.sqrt(penalty) * np.eye(c), np.zeros((c, 1))])])
+    target = np.concatenate([y, np.zeros(c)])
+    coef, *_ = np.linalg.lstsq(augmented, target, rcond=None)
+    weight = coef[:c] / std
+    return weight, float(coef[c] - (weight * mean).sum())
+
+
+def _numpy_loo_median(x: np.ndarray, y: np.ndarray, penalty: float) -> float:
+    """Leave-one-out by refitting n times (features standardised once, with every row)."""
+    errors, scaling = [], (x.mean(0), x.std(0, ddof=1))
+    for i in range(len(y)):
+        keep = np.arange(len(y)) != i
+        w, b = _numpy_ridge(x[keep], y[keep], penalty, scaling)
+        errors.append(abs(x[i] @ w + b - y[i]))
+    return float(np.median(errors))
+
+
+def test_ridge_readout_equals_float64_ridge_and_exact_leave_one_out():
+    g = np.random.default_rng(0)
+    x = g.normal(size=(40, 6)) * np.array([100.0, 1.0, 0.01, 3.0, 1.0, 1.0]) + 5.0
+    y = x @ np.array([0.01, -1.0, 50.0, 0.0, 0.3, 0.0]) + 2.0 + g.standard_cauchy(40) * 0.1
+    penalties = (0.5, 5.0, 50.0)
+    weight, bias, penalty, error = ridge_readout(torch.tensor(x), torch.tensor(y), penalties)
+    loo = {p: _numpy_loo_median(x, y, p) for p in penalties}
+    assert penalty == min(loo, key=loo.get)
+    assert error == pytest.approx(loo[penalty], rel=1e-9)
+    expected_w, expected_b = _numpy_ridge(x, y, penalty)
+    np.testing.assert_allclose(weight.numpy(), expected_w, rtol=1e-9, atol=1e-12)
+    assert bias == pytest.approx(expected_b, rel=1e-9)
+
+
+def test_ridge_readout_rejects_bad_input():
+    with pytest.raises(ValueError, match="x must be"):
+        ridge_readout(torch.zeros(5, 2), torch.zeros(4))
+    with pytest.raises(ValueError, match="at least 3"):
+        ridge_readout(torch.zeros(2, 2), torch.zeros(2))
+    with pytest.raises(ValueError, match="penalties"):
+        ridge_readout(torch.rand(5, 2), torch.rand(5), penalties=(0.0,))
+
+
+@pytest.fixture
+def model(tiny_qwen):
+    return CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM, ovr_threshold=1.0, abduction_scale_init=0.1)
+
+
+def test_fit_value_head_sets_the_ridge_solution_of_a_fixed_batch(model):
+    batch = CausalQwenDataCollator(0)(dataset(16))
+    fit = fit_value_head(model, [batch], penalties=(3.0,))
+    # The rows, computed independently: the backbone's features through the identity abduction, at every position
+    # whose next token is <NUM>, against the symlog of that next value.
+    with torch.no_grad():
+        embeds = model.model.embed_tokens(batch["input_ids"])
+        embeds = model.numeric_embedding(embeds, batch["input_ids"], batch["numeric_values"])
+        hidden = model.model(inputs_embeds=embeds, attention_mask=batch["attention_mask"]).last_hidden_state
+    where = batch["labels"][:, 1:] == NUM
+    x = hidden[:, :-1][where].double().numpy()  # abduction is the identity at conversion
+    y = symlog(batch["numeric_values"][:, 1:][where]).numpy()
+    expected_w, expected_b = _numpy_ridge(x, y, 3.0)
+    np.testing.assert_allclose(model.action.reg_head.weight[0].detach().double().numpy(), expected_w, rtol=1e-4, atol=1e-6)
+    assert model.action.reg_head.bias.item() == pytest.approx(expected_b, rel=1e-5, abs=1e-5)
+    assert fit.positions == len(y) == 32
+    assert math.exp(model.action.reg_log_noise.item()) == pytest.approx(_numpy_loo_median(x, y, 3.0), rel=1e-5)
+    assert model.config.value_head_fit == fit.to_dict()
+
+
+def test_fit_value_head_reads_only_labelled_positions(model):
+    # Prompt positions (label −100) are not rows, even when their next token is <NUM>.
+    features = dataset(16)
+    for f in features:
+        f["labels"] = [-100] * 5 + f["input_ids"][5:]  # the <NUM> at index 3 is in the prompt, the one at 7 is not
+    fit = fit_value_head(model, [CausalQwenDataCollator(0)(features)])
+    assert fit.positions == 16
+
+
+def test_fit_value_head_errors(model, tiny_qwen):
+    batch = CausalQwenDataCollator(0)([{"input_ids": list(range(1, 9))}])
+    with pytest.raises(ValueError, match="nothing to fit"):
+        fit_value_head(model, [batch])
+    text_only = CausalQwenForCausalLM.from_qwen(tiny_qwen, use_numeric=False)
+    with pytest.raises(ValueError, match="use_numeric=True"):
+        fit_value_head(text_only, [batch])
+
+
+def _args(tmp_path, steps: int, learning_rate: float = 1e-2, **kw) -> TrainingArguments:
+    kw.setdefault("save_strategy", "no")
+    return TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=steps,
+                             learning_rate=learning_rate, report_to=[], logging_steps=1, use_cpu=True,
+                             disable_tqdm=True, seed=0, **kw)
+
+
+def _value_nll(model, data) -> float:
+    """Mean Cauchy NLL of the true next value (symlog space) where the next token is <NUM>, ungated."""
+    batch = CausalQwenDataCollator(0)(data)
+    model.eval()
+    with torch.no_grad():
+        out = model(batch["input_ids"], numeric_values=batch["numeric_values"])
+    where = batch["input_ids"][:, 1:] == NUM
+    y = symlog(batch["numeric_values"][:, 1:][where])
+    loc, scale = out.loc_Y[:, :-1][where].double(), out.scale_Y[:, :-1][where].double()
+    return (torch.log(math.pi * scale) + torch.log1p(((y - loc) / scale) ** 2)).mean().item()
+
+
+def test_trainer_starts_the_value_head_then_keeps_learning(model, tmp_path):
+    data = dataset(32)
+    before = {"w_num": model.numeric_embedding.w_num.detach().clone(),
+              "b_reg": model.action.reg_head.bias.detach().clone(),
+              "log_noise": model.action.reg_log_noise.detach().clone()}
+    nll_start = _value_nll(model, data)
+    trainer = CausalQwenTrainer(model=model, args=_args(tmp_path, 30), train_dataset=data,
+                                data_collator=CausalQwenDataCollator(0))
+    trainer.train()
+    fit = trainer.value_head_start.fit
+    assert fit is not None and fit.positions == 64
+    assert model.config.value_head_fit == fit.to_dict()
+    nll_end = _value_nll(model, data)
+    assert nll_end < nll_start
+    for name, param in (("w_num", model.numeric_embedding.w_num), ("b_reg", model.action.reg_head.bias),
+                        ("log_noise", model.action.reg_log_noise)):
+        assert not torch.equal(param.detach(), before[name]), name
+    # Training moved the head away from the fitted start too, not only the start from the fit.
+    assert model.action.reg_log_noise.exp().item() != pytest.approx(fit.regression_noise, rel=1e-6)
+
+
+def test_trainer_does_not_refit_a_reloaded_model(model, tmp_path):
+    data = dataset(16)
+    CausalQwenTrainer(model=model, args=_args(tmp_path / "a", 2), train_dataset=data,
+                      data_collator=CausalQwenDataCollator(0)).train()
+    model.save_pretrained(tmp_path / "saved")
+    reloaded = CausalQwenForCausalLM.from_pretrained(tmp_path / "saved")
+    assert reloaded.config.value_head_fit == model.config.value_head_fit is not None
+    head = reloaded.action.reg_head.bias.detach().clone()
+    again = CausalQwenTrainer(model=reloaded, args=_args(tmp_path / "b", 1, learning_rate=1e-12), train_dataset=data,
+                              data_collator=CausalQwenDataCollator(0))
+    again.train()
+    assert again.value_head_start.fit is None
+    torch.testing.assert_close(reloaded.action.reg_head.bias, head, rtol=0, atol=1e-9)
+
+
+def test_trainer_does_not_refit_when_resuming(tiny_qwen, tmp_path):
+    data = dataset(16)
+
+    def fresh():
+        return CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM, ovr_threshold=1.0,
+                                               abduction_scale_init=0.1)
+
+    first = CausalQwenTrainer(model=fresh(), args=_args(tmp_path, 2, save_strategy="steps", save_steps=2),
+                              train_dataset=data, data_collator=CausalQwenDataCollator(0))
+    first.train()
+    assert first.value_head_start.fit is not None
+    resumed = CausalQwenTrainer(model=fresh(), args=_args(tmp_path, 3, save_strategy="steps", save_steps=2),
+                                train_dataset=data, data_collator=CausalQwenDataCollator(0))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert resumed.value_head_start.fit is None
+
+
+def test_plain_trainer_with_the_public_function(model, tmp_path):
+    data = dataset(16)
+    trainer = Trainer(model=model, args=_args(tmp_path, 1), train_dataset=data, data_collator=CausalQwenDataCollator(0))
+    fit = fit_value_head(model, trainer.get_eval_dataloader(data))
+    assert fit.positions == 32 and model.config.value_head_fit is not None
+
+
+def test_value_head_start_can_be_turned_off(model, tmp_path):
+    trainer = CausalQwenTrainer(model=model, args=_args(tmp_path, 1), train_dataset=dataset(8),
+                                data_collator=CausalQwenDataCollator(0), value_head_start=False)
+    trainer.train()
+    assert trainer.value_head_start is None and model.config.value_head_fit is None
+    with pytest.raises(TypeError, match="value_head_start"):
+        CausalQwenTrainer(model=model, args=_args(tmp_path, 1), train_dataset=dataset(8), value_head_start="yes")
