@@ -66,7 +66,7 @@ def test_texts_and_pairs_mix_and_bad_examples(tokenizer):
     features = tokenize_examples(tokenizer, ["It costs 5 dollars.", {"prompt": "2 and 2 make", "completion": " 4"}],
                                  add_eos=False)
     assert "labels" not in features[0] and features[0]["numeric_values"].count(5.0) == 1
-    assert features[1]["input_ids"][-1] == tokenizer.num_token_id and features[1]["labels"][-1] == tokenizer.num_token_id
+    assert features[1]["input_ids"][-1] == features[1]["labels"][-1] == tokenizer.num_token_id
     with pytest.raises(ValueError, match=r"examples\[0\] must be a text or a dict"):
         tokenize_examples(tokenizer, [{"prompt": "x"}])
 

@@ -79,7 +79,8 @@ def test_fit_value_head_sets_the_ridge_solution_of_a_fixed_batch(model):
     x = hidden[:, :-1][where].double().numpy()  # abduction is the identity at conversion
     y = symlog(batch["numeric_values"][:, 1:][where]).numpy()
     expected_w, expected_b = _numpy_ridge(x, y, 3.0)
-    np.testing.assert_allclose(model.action.reg_head.weight[0].detach().double().numpy(), expected_w, rtol=1e-4, atol=1e-6)
+    got_w = model.action.reg_head.weight[0].detach().double().numpy()
+    np.testing.assert_allclose(got_w, expected_w, rtol=1e-4, atol=1e-6)
     assert model.action.reg_head.bias.item() == pytest.approx(expected_b, rel=1e-5, abs=1e-5)
     assert fit.positions == len(y) == 32
     assert math.exp(model.action.reg_log_noise.item()) == pytest.approx(_numpy_loo_median(x, y, 3.0), rel=1e-5)
