@@ -21,8 +21,7 @@ from tqdm.auto import tqdm
 from transformers import Qwen2Config, Qwen2ForCausalLM, TrainingArguments
 
 from causal_qwen import CausalQwenForCausalLM, CausalQwenTokenizer
-from causal_qwen.data import CausalQwenDataCollator, make_splits
-from causal_qwen.data.texts import tokenize_texts
+from causal_qwen.data import CausalQwenDataCollator, make_splits, tokenize_examples
 from causal_qwen.metrics import evaluate
 from causal_qwen.plots import plot_evaluation, plot_loss_curves
 from causal_qwen.training import CausalQwenTrainer
@@ -70,7 +69,7 @@ def main() -> None:
     # Data: the numeric corpus (numbers become <NUM> tokens with their values in numeric_values).
     n_eval = args.num_eval
     splits = make_splits(args.num_train, max(16, n_eval // 4), n_eval, n_eval, seed=args.seed)
-    features = {name: tokenize_texts(tokenizer, [ex.text for ex in examples], MAX_LENGTH)
+    features = {name: tokenize_examples(tokenizer, [ex.text for ex in examples], MAX_LENGTH)
                 for name, examples in splits.items()}
     collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
 

@@ -1,28 +1,28 @@
-"""Does CausalQwen learn numbers better than Qwen?
+"""Does CausalQwen learn numbers better than Qwen? Every arm trains through a public training path.
 
-One frozen Qwen2.5-0.5B backbone, one corpus (`causal_qwen.data.make_splits`), the same examples and the same
-number of optimizer steps for every arm:
+One Qwen2.5-0.5B, one training set (the numeric corpus of `causal_qwen.data.make_splits` and the real-data tables of
+`causal_qwen.data.real_splits`), the same texts and the same number of optimizer steps for every arm:
 
-  (a)  CausalQwen: numbers as values (one `<NUM>` each), One-vs-Rest Cauchy classification, Cauchy regression;
-  (a+) as (a), built with `num_row_init="digits"` and `regression_noise` (PLUS_OPTIONS; `--skip-plus` leaves it out);
-  (b)  Qwen2 with a trainable untied lm_head (a copy of the tied embedding), cross-entropy on numbers as digits;
-  (b2) as (b), plus the Number Token Loss of the `ntloss` package (CE + 0.3 · NTL, the authors' recommendation);
+  (a)  CausalQwen as a user gets it: `CausalQwenForCausalLM.from_qwen(folder)` with every default, trained by
+       `CausalQwenTrainer` with its defaults (value head started from the data, per-module learning rates, the
+       numeric embedding training through the frozen backbone);
+  (b)  Qwen2 with a trainable untied lm_head (a copy of the tied embedding), cross-entropy on numbers as digits,
+       trained by transformers' `Trainer`;
+  (b2) as (b), plus the Number Token Loss of the `ntloss` package (CE + 0.3 · NTL, the authors' recommendation),
+       through `Trainer(compute_loss_func=...)`;
   (c)  the trivial baseline: the training mean / median of each template's target (`template_baselines`).
 
-The cost is dominated by the 152k-class heads, so the frozen backbone's last hidden states are computed once
-and cached, and the heads are trained on the cached features:
+Nothing is cached: (a) trains w_num and d_num, which feed the backbone, so no cache of the backbone would be exact.
 
-- (b)/(b2): the backbone's input does not depend on anything trained, so training the lm_head on cached
-  features gives exactly the loss and gradients of the full model.
-- (a): the numeric embedding (w_num, d_num) feeds the backbone, so caching requires freezing it at its
-  initial value (w_num ~ N(0, σ²) from `from_qwen`, d_num = 0). Only the abduction and action networks train.
+Targets: (a) predicts the target number by the median loc_Y at the position before the target's `<NUM>` (standard
+mode, with its 50% / 90% Cauchy intervals), and also by `model.generate` in standard mode from the text before the
+target; (b)/(b2) by greedy decoding of digits after the text before the target, parsed with
+`causal_qwen.numbers.find_numbers`.
 
-Targets: (a) predicts the target number by the median loc_Y at the position before the target's `<NUM>`
-(with its 50% / 90% Cauchy intervals); (b)/(b2) by greedy decoding of digits after the text that precedes the
-target, parsed with `causal_qwen.numbers.find_numbers`.
+Optionally (`--sweep`) short runs of (a) read on the validation split compare the choices the defaults rest on.
 
-Run `python experiments/run_experiment.py --profile cpu --output runs/experiment` (see docs/experiments.md for the
-numbers it produced); `--profile tiny` runs the whole pipeline in about a minute on a tiny random backbone.
+Run `python experiments/run_experiment.py --profile cpu --output runs/experiment` (docs/experiments.md has the
+numbers it produced); `--profile tiny` runs the whole pipeline on a tiny random backbone in a few minutes.
 """
 
 from __future__ import annotations
@@ -38,179 +38,131 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
-from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoTokenizer,
+    DataCollatorForSeq2Seq,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 from transformers.cache_utils import DynamicCache
 
 from causal_qwen import CausalQwenForCausalLM, CausalQwenTokenizer
-from causal_qwen.cauchy import symlog
-from causal_qwen.chunked_loss import chunked_causal_qwen_loss
-from causal_qwen.data import NumericExample, make_splits, template_baselines
+from causal_qwen.data import (
+    CausalQwenDataCollator,
+    NumericExample,
+    make_splits,
+    real_splits,
+    template_baselines,
+    tokenize_examples,
+)
 from causal_qwen.loss import IGNORE_INDEX
-from causal_qwen.metrics import FIELDS, position_statistics, regression_metrics, summarize
+from causal_qwen.metrics import FIELDS, evaluate
 from causal_qwen.numbers import find_numbers
-from causal_qwen.plots import plot_loss_curves, plot_predictions, plot_u_scale
-from causal_qwen.training import parameter_groups
+from causal_qwen.plots import plot_loss_curves, plot_predictions
+from causal_qwen.training import LEARNING_RATE_SCALES, CausalQwenTrainer
+from causal_qwen.value_head import fit_value_head
 
 QWEN_DIR = Path(os.environ.get("CAUSAL_QWEN_QWEN25_DIR", Path.home() / ".cache" / "causal_qwen" / "qwen2.5-0.5b"))
 NTL_WEIGHT = 0.3  # CE + 0.3·NTL, as the ntloss authors recommend
 MAX_NEW_DIGITS = 20  # the longest target (extrapolation, up to 1e14) has 15 digits
-# The configuration the code ships with (DESIGN §8); the sweep varies one field at a time around it.
-# `warm_start` is not a model field but the recipe's least-squares start of the regression head.
-BASE_CONFIG = {"ovr_threshold": 15.0, "abduction_scale_init": 1e-5, "noise_init": 1e-5, "learnable_threshold": False,
-               "value_transform": "symlog", "warm_start": True}
+# Short runs of (a) on validation: each changes one choice the defaults rest on. `scales` overrides entries of
+# LEARNING_RATE_SCALES, `config` fields of from_qwen, `start` turns the value-head start off.
 SWEEP = {
-    "ovr_threshold": [10.0, 20.0],
-    "abduction_scale_init": [1e-4],
-    "noise_init": [1e-4],
-    "learnable_threshold": [True],
-    "value_transform": ["identity"],
+    "defaults": {},
+    "numeric_embedding 0.1x": {"scales": {"numeric_embedding": 0.1}},
+    "numeric_embedding 10x": {"scales": {"numeric_embedding": 10.0}},
+    "reg_head 1x": {"scales": {"action.reg_head": 1.0}},
+    "gate_alpha=0.5": {"config": {"gate_alpha": 0.5}},
+    "no value-head start": {"start": False},
 }
-# Arm (a+): the two opt-in options that answer the findings of the (a) runs (docs/experiments.md): the `<NUM>` row
-# of the classification head starts as the mean of Qwen's digit rows (`from_qwen(num_row_init=...)`), so that the
-# gate P_<NUM> is open where Qwen expects a number, and the value gets its own noise scale (`regression_noise`,
-# started at the warm start's median absolute residual), so that its intervals can be as wide as its errors.
-PLUS_OPTIONS = {"num_row_init": "digits", "regression_noise": 1.0}
 
 
 @dataclass
 class Profile:
-    """Sizes and learning rates of one run. Steps count optimizer steps of `batch_size` texts, the same for every arm.
-
-    `head_lr` is the rate of the 152k-row heads (CausalQwen's cls_head, Qwen's lm_head); the other modules of
-    CausalQwen train at the package's multiples of it (`causal_qwen.training.LEARNING_RATE_SCALES`). Adam moves
-    every weight by about the learning rate per step whatever its gradient, and a weight multiplies a feature of
-    Qwen's last hidden state, whose L1 norm is about 3,400: a step of lr on every weight of a row moves that row's
-    output by about 3,400·lr. The rates keep that move small.
-    """
+    """Sizes and the schedule of one run: `steps` optimizer steps of `batch_size` texts for every arm."""
 
     n_train: int
     n_validation: int
     n_test: int
     n_extrapolation: int
+    n_real: int  # rows per real-data table, split 80/10/10
     steps: int
-    sweep_steps: int
     batch_size: int
-    sweep_batch_size: int
-    head_lr: float = 1e-4  # about 0.3 logit per step; the same in every arm
-    feature_batch: int = 32
+    sweep_steps: int
+    learning_rate: float = 1e-4  # the documented rate of `causal-qwen train` (the 152k-row heads)
     eval_batch: int = 16
-    decode_batch: int = 64
+    decode_batch: int = 32
     tiny: bool = False
 
 
 PROFILES = {
-    # Sized from the measured backbone throughput so that the whole table fits in 45 minutes on 2 CPU cores.
-    "cpu": Profile(n_train=320, n_validation=48, n_test=96, n_extrapolation=64, steps=40, sweep_steps=8,
-                   batch_size=16, sweep_batch_size=8),
+    # Sized from the measured step time (about 20 s per step of 16 texts for (a) on 2 CPU cores) to fit 60 minutes.
+    "cpu": Profile(n_train=320, n_validation=48, n_test=96, n_extrapolation=64, n_real=160, steps=40,
+                   batch_size=16, sweep_steps=8),
     # Not run here: larger sizes for one GPU.
-    "gpu": Profile(n_train=20000, n_validation=1000, n_test=2000, n_extrapolation=2000, steps=2000, sweep_steps=300,
-                   batch_size=32, sweep_batch_size=32, feature_batch=128, eval_batch=64, decode_batch=256),
-    # A tiny random backbone with the real tokenizer: checks the pipeline end to end in about a minute.
-    "tiny": Profile(n_train=64, n_validation=16, n_test=16, n_extrapolation=16, steps=6, sweep_steps=2,
-                    batch_size=8, sweep_batch_size=8, tiny=True),
+    "gpu": Profile(n_train=20000, n_validation=1000, n_test=2000, n_extrapolation=2000, n_real=2000, steps=2000,
+                   batch_size=32, sweep_steps=300, eval_batch=64, decode_batch=128),
+    # A tiny random backbone with the real tokenizer: checks the pipeline end to end.
+    "tiny": Profile(n_train=48, n_validation=16, n_test=16, n_extrapolation=16, n_real=20, steps=4, batch_size=8,
+                    sweep_steps=2, tiny=True),
 }
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Data: tokenized splits with cached backbone features
+# Data
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Encoded:
-    """One split, tokenized for one arm, with the frozen backbone's last hidden state of every text."""
-
-    examples: list[NumericExample]
-    ids: list[torch.Tensor]  # [L] each
-    values: list[torch.Tensor]  # [L] float64 each (zeros for the digit arms)
-    features: list[torch.Tensor] = field(default_factory=list)  # [L, H] each
-    target_index: list[int] = field(default_factory=list)  # index of the target's <NUM>, −1 when there is none
-
-    def batch(self, rows: list[int], device: torch.device) -> dict[str, torch.Tensor]:
-        """Right-padded features, labels (−100 on padding) and numeric labels of `rows`."""
-        length = max(len(self.ids[i]) for i in rows)
-        hidden = self.features[rows[0]].shape[-1]
-        feats = torch.zeros(len(rows), length, hidden)
-        labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
-        values = torch.zeros(len(rows), length, dtype=torch.float64)
-        for b, i in enumerate(rows):
-            n = len(self.ids[i])
-            feats[b, :n], labels[b, :n], values[b, :n] = self.features[i], self.ids[i], self.values[i]
-        return {"features": feats.to(device), "labels": labels.to(device), "numeric_labels": values.to(device)}
-
-    def tokens(self) -> int:
-        return sum(len(x) for x in self.ids)
+def load_data(profile: Profile, seed: int) -> dict[str, list[NumericExample]]:
+    """Corpus and real-data splits; the training set and validation mix both, the tests stay apart."""
+    corpus = make_splits(profile.n_train, profile.n_validation, profile.n_test, profile.n_extrapolation, seed=seed)
+    real = real_splits(n_per_dataset=profile.n_real, seed=seed)
+    train = corpus["train"] + real["train"]
+    random.Random(seed).shuffle(train)
+    return {"train": train, "validation": corpus["validation"] + real["validation"], "test": corpus["test"],
+            "real_test": real["test"], "extrapolation": corpus["extrapolation"]}
 
 
-def encode_numeric(tokenizer: CausalQwenTokenizer, examples: list[NumericExample]) -> Encoded:
-    """Numbers as `<NUM>` + value; the target is the last `<NUM>` (the corpus puts it last)."""
-    enc = tokenizer([ex.text for ex in examples])
-    ids = [torch.tensor(x) for x in enc["input_ids"]]
-    values = [torch.tensor(v, dtype=torch.float64) for v in enc["numeric_values"]]
-    targets = []
-    for ex, row, vals in zip(examples, ids, values, strict=True):
-        where = (row == tokenizer.num_token_id).nonzero().flatten()
-        ok = ex.target_value is not None and len(where) and float(vals[where[-1]]) == ex.target_value
-        targets.append(int(where[-1]) if ok else -1)
-    return Encoded(examples, ids, values, target_index=targets)
+def with_target(examples: list[NumericExample]) -> list[NumericExample]:
+    return [ex for ex in examples if ex.target_value is not None]
 
 
-def encode_digits(tokenizer, examples: list[NumericExample]) -> Encoded:
-    """Numbers written as digits, tokenized by the plain Qwen2 tokenizer."""
-    enc = tokenizer([ex.text for ex in examples])
-    ids = [torch.tensor(x) for x in enc["input_ids"]]
-    return Encoded(examples, ids, [torch.zeros(len(x), dtype=torch.float64) for x in ids],
-                   target_index=[-1] * len(ids))
+def training_args(out: Path, profile: Profile, seed: int, steps: int | None = None) -> TrainingArguments:
+    """The same schedule for every arm: AdamW without weight decay, linear decay, `steps` steps."""
+    return TrainingArguments(
+        output_dir=str(out), max_steps=steps or profile.steps, per_device_train_batch_size=profile.batch_size,
+        per_device_eval_batch_size=profile.eval_batch, learning_rate=profile.learning_rate, weight_decay=0.0,
+        logging_steps=1, save_strategy="no", report_to=[], seed=seed, disable_tqdm=True,
+        dataloader_pin_memory=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available(),
+    )
 
 
-@torch.no_grad()
-def cache_features(backbone, enc: Encoded, batch_size: int, embed=None, desc: str = "features") -> float:
-    """Fill `enc.features` with the backbone's last hidden states; returns tokens per second.
+class CurveCallback(TrainerCallback):
+    """Evaluate a function of the model before the first step (after the value-head start) and every `every`
+    steps (the learning curves)."""
 
-    `embed(ids, values)` builds the input embeddings (CausalQwen's numeric embedding); by default the token
-    embedding. Texts are batched by length so that little compute goes to padding; right padding leaves every
-    real position's causal attention unchanged.
-    """
-    order = sorted(range(len(enc.ids)), key=lambda i: len(enc.ids[i]))
-    enc.features = [None] * len(enc.ids)
-    start = time.perf_counter()
-    for k in tqdm(range(0, len(order), batch_size), desc=desc, leave=False):
-        rows = order[k:k + batch_size]
-        length = max(len(enc.ids[i]) for i in rows)
-        ids = torch.full((len(rows), length), 0, dtype=torch.long)
-        values = torch.zeros(len(rows), length, dtype=torch.float64)
-        mask = torch.zeros(len(rows), length, dtype=torch.long)
-        for b, i in enumerate(rows):
-            n = len(enc.ids[i])
-            ids[b, :n], values[b, :n], mask[b, :n] = enc.ids[i], enc.values[i], 1
-        embeds = embed(ids, values) if embed is not None else backbone.embed_tokens(ids)
-        hidden = backbone(inputs_embeds=embeds, attention_mask=mask).last_hidden_state
-        for b, i in enumerate(rows):
-            enc.features[i] = hidden[b, :len(enc.ids[i])].clone()
-    return enc.tokens() / (time.perf_counter() - start)
+    def __init__(self, every: int, measure):
+        self.every, self.measure, self.points = every, measure, []
 
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 0 and not self.points:
+            self.points.append({"step": 0, **self.measure(model)})
 
-def batches_of(n: int, batch_size: int, steps: int, seed: int):
-    """`steps` batches of indices, epoch after epoch of a seeded shuffle (the same order for every arm)."""
-    rng = random.Random(seed)
-    order: list[int] = []
-    for _ in range(steps):
-        if len(order) < batch_size:
-            fresh = list(range(n))
-            rng.shuffle(fresh)
-            order += fresh
-        yield order[:batch_size]
-        order = order[batch_size:]
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.every and state.global_step % self.every == 0:
+            self.points.append({"step": state.global_step, **self.measure(model)})
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Models
+# Arm (a): CausalQwen through CausalQwenTrainer
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -225,195 +177,155 @@ def load_qwen(tiny: bool, seed: int) -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(config).eval()
 
 
-def causal_heads(qwen: Qwen2ForCausalLM, num_token_id: int, seed: int, num_row_init="copy",
-                 **overrides) -> CausalQwenForCausalLM:
-    """A CausalQwen initialised by `from_qwen` (DESIGN §3) whose backbone has no layers.
-
-    The heads are trained on cached features, so the 24 layers would only be copied for nothing: `from_qwen` is
-    given a Qwen2 that shares the real embedding, final norm and lm_head but has zero decoder layers. Every head
-    (identity abduction with scale γ0, cls_head = lm_head copy, b_noise, threshold, w_num) is then exactly what
-    `from_qwen` builds for the full model.
-    """
-    config = copy.deepcopy(qwen.config)
-    config.num_hidden_layers, config.layer_types = 0, []
-    stub = Qwen2ForCausalLM(config)
-    stub.model.embed_tokens, stub.model.norm, stub.lm_head = qwen.model.embed_tokens, qwen.model.norm, qwen.lm_head
-    torch.manual_seed(seed)  # w_num and the regression head are drawn: the same seed gives the same draw
-    heads = CausalQwenForCausalLM.from_qwen(stub, num_token_id=num_token_id, num_row_init=num_row_init, **overrides)
-    heads.requires_grad_(False)
-    for module in (heads.abduction, heads.action):
-        module.requires_grad_(True)
-    if not heads.config.learnable_threshold:
-        heads.action.threshold.requires_grad_(False)
-    return heads
+def new_causal(profile: Profile, tokenizer, seed: int, **config) -> CausalQwenForCausalLM:
+    """`from_qwen` with every default (the folder's tokenizer gives <NUM> and the digit rows)."""
+    torch.manual_seed(seed)
+    if profile.tiny:
+        return CausalQwenForCausalLM.from_qwen(load_qwen(True, seed), tokenizer=tokenizer, **config)
+    return CausalQwenForCausalLM.from_qwen(QWEN_DIR, **config)
 
 
-def causal_optimizer(heads: CausalQwenForCausalLM, profile: Profile) -> torch.optim.Optimizer:
-    """AdamW without weight decay over the trainable heads, with the package's per-module learning rates.
-
-    With `head_lr` = 1e-4: cls_head 1e-4, w_reg/b_reg 1e-5, abduction and b_noise 1e-6, a learnable threshold and
-    log γ_Y 1e-2 (the numeric embedding is frozen here: the features are cached).
-    """
-    return torch.optim.AdamW(parameter_groups(heads, profile.head_lr), weight_decay=0.0)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Arm (a): CausalQwen on cached features
-# ----------------------------------------------------------------------------------------------------------------
+def train_causal(model, tokenizer, train: list[NumericExample], profile: Profile, out: Path, seed: int,
+                 steps: int | None = None, scales: dict | None = None, start: bool = True,
+                 curve: CurveCallback | None = None) -> CausalQwenTrainer:
+    """`CausalQwenTrainer` on the texts, as docs/training.md shows it."""
+    features = tokenize_examples(tokenizer, [ex.text for ex in train])
+    trainer = CausalQwenTrainer(
+        model=model, args=training_args(out, profile, seed, steps), train_dataset=features,
+        data_collator=CausalQwenDataCollator.from_tokenizer(tokenizer), value_head_start=start,
+        learning_rate_scales={**LEARNING_RATE_SCALES, **(scales or {})}, callbacks=[curve] if curve else None,
+    )
+    model.train()
+    trainer.train()
+    model.eval()
+    return trainer
 
 
 @torch.no_grad()
-def warm_start_regression(heads: CausalQwenForCausalLM, train: Encoded, validation: Encoded) -> dict:
-    """Start the regression head at the ridge-regression fit of the transformed value on loc_U (a linear probe).
-
-    With a frozen backbone the regression head is a linear read-out of loc_U, and Adam needs hundreds of steps to
-    find a linear read-out of Qwen's features (a few directions of huge variance dominate every step), far more
-    than a CPU budget allows; least squares finds it at once. The fit uses every position whose next token is
-    `<NUM>` (what the regression loss trains on), in the space of `value_transform`; the ridge penalty is chosen
-    on the validation split. Training then continues from there with the model's own loss.
-    """
-
-    def rows(data: Encoded) -> tuple[torch.Tensor, torch.Tensor]:
-        xs, ys = [], []
-        for feats, ids, values in zip(data.features, data.ids, data.values, strict=True):
-            where = (ids[1:] == heads.config.num_token_id).nonzero().flatten()
-            if len(where):
-                xs.append(heads.abduction(feats[where].to(heads.device))[0].double().cpu())
-                ys.append(values[where + 1])
-        x, y = torch.cat(xs), torch.cat(ys)
-        return x, (symlog(y) if heads.config.value_transform == "symlog" else y)
-
-    x, y = rows(train)
-    x_val, y_val = rows(validation)
-    mean, std = x.mean(0), x.std(0) + 1e-3
-    a = (x - mean) / std
-    gram, rhs = a.T @ a, a.T @ (y - y.mean())
-    best = None
-    for penalty in (0.1, 1.0, 10.0, 100.0, 1000.0):
-        w = torch.linalg.solve(gram + penalty * torch.eye(a.shape[1], dtype=a.dtype), rhs) / std
-        b = y.mean() - (w * mean).sum()
-        error = (x_val @ w + b - y_val).abs().median().item()
-        if best is None or error < best[0]:
-            best = (error, penalty, w, b)
-    error, penalty, w, b = best
-    heads.action.reg_head.weight.copy_(w.to(heads.action.reg_head.weight)[None])
-    heads.action.reg_head.bias.fill_(b.item())
-    if heads.action.reg_log_noise is not None:
-        # The median |Y − median| of a Cauchy is its scale: start the value's noise at the fit's residuals.
-        heads.action.reg_log_noise.fill_(math.log(max(error, 1e-3)))
-    return {"penalty": penalty, "validation_median_abs_error": error, "n_positions": len(y)}
-
-
-def train_causal(heads: CausalQwenForCausalLM, data: Encoded, profile: Profile, steps: int, seed: int,
-                 desc: str, batch_size: int | None = None) -> list[dict]:
-    """Train abduction + action with the fused chunked loss (the model's own training path) on cached features."""
-    heads.train()
-    cfg = heads.config
-    optimizer = causal_optimizer(heads, profile)
-    history = []
-    batch_size = batch_size or profile.batch_size
-    bar = tqdm(batches_of(len(data.ids), batch_size, steps, seed), total=steps, desc=desc)
-    for step, rows in enumerate(bar, start=1):
-        batch = data.batch(rows, heads.device)
-        loc_u, scale_u = heads.abduction(batch["features"])
-        losses = chunked_causal_qwen_loss(
-            loc_u, scale_u, batch["labels"], batch["numeric_labels"], action=heads.action,
-            num_token_id=cfg.num_token_id, gate_alpha=cfg.gate_alpha, reg_loss_weight=cfg.reg_loss_weight,
-            detach_gate=cfg.detach_gate, value_transform=cfg.value_transform,
-        )
-        optimizer.zero_grad(set_to_none=True)
-        losses.loss.backward()
-        optimizer.step()
-        entry = {"step": step, "loss": losses.loss.item(), "cls_loss": losses.cls_loss.item(),
-                 "reg_loss": losses.reg_loss.item(), "positions": int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())}
-        history.append(entry)
-        bar.set_postfix(loss=f"{entry['loss']:.3f}", reg=f"{entry['reg_loss']:.3f}")
-    heads.eval()
-    return history
+def causal_targets(model, tokenizer, examples: list[NumericExample], batch_size: int) -> dict:
+    """Median and 50% / 90% intervals of the target at the position before its `<NUM>` (teacher forcing)."""
+    examples = with_target(examples)
+    collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
+    median, low50, high50, low90, high90, true, kept, loc_y, scale_y = [], [], [], [], [], [], [], [], []
+    for k in range(0, len(examples), batch_size):
+        chunk = examples[k:k + batch_size]
+        batch = collator(tokenize_examples(tokenizer, [ex.text for ex in chunk]))
+        out = model(batch["input_ids"], numeric_values=batch["numeric_values"],
+                    attention_mask=batch["attention_mask"])
+        for b, ex in enumerate(chunk):
+            where = (batch["input_ids"][b] == tokenizer.num_token_id).nonzero().flatten()
+            if not len(where) or float(batch["numeric_values"][b, where[-1]]) != ex.target_value:
+                continue  # the tokenizer did not read the target as the text's last number
+            p = int(where[-1]) - 1
+            m, lo, hi = model.value_interval(out.loc_Y[b, p], out.scale_Y[b, p], 0.5)
+            _, lo9, hi9 = model.value_interval(out.loc_Y[b, p], out.scale_Y[b, p], 0.9)
+            for store, v in ((median, m), (low50, lo), (high50, hi), (low90, lo9), (high90, hi9),
+                             (loc_y, out.loc_Y[b, p]), (scale_y, out.scale_Y[b, p])):
+                store.append(float(v))
+            true.append(ex.target_value)
+            kept.append(ex)
+    return {"median": median, "low50": low50, "high50": high50, "low90": low90, "high90": high90, "true": true,
+            "examples": kept, "loc_y": loc_y, "scale_y": scale_y}
 
 
 @torch.no_grad()
-def evaluate_causal(heads: CausalQwenForCausalLM, data: Encoded, profile: Profile, seed: int,
-                    desc: str) -> tuple[dict, dict, torch.Tensor, torch.Tensor]:
-    """All-position metrics (DESIGN §6, standard mode) and target metrics, from cached features.
-
-    Returns `(position_metrics, target_metrics, target_stats, all_stats)`: packed per-position statistics
-    (`causal_qwen.metrics.FIELDS`) of the positions that predict a target, and of every position, for the plots.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    collected, targets = [], []
-    for k in tqdm(range(0, len(data.ids), profile.eval_batch), desc=desc, leave=False):
-        rows = list(range(k, min(k + profile.eval_batch, len(data.ids))))
-        batch = data.batch(rows, heads.device)
-        loc_u, scale_u = heads.abduction(batch["features"])
-        loc_s, scale_s, loc_y, scale_y = heads.action(loc_u, scale_u)
-        stats = position_statistics(heads, loc_s, scale_s, loc_y, scale_y, loc_u, scale_u, batch["labels"],
-                                    batch["numeric_labels"], generator)
-        del loc_s, scale_s
-        for b, i in enumerate(rows):
-            if data.target_index[i] > 0:
-                targets.append(stats[b, data.target_index[i] - 1])
-        collected.append(stats.reshape(-1, len(FIELDS)))
-    all_stats = torch.cat(collected)
-    position_metrics = summarize(all_stats, heads)
-    target_stats = torch.stack(targets)
-    col = {name: target_stats[:, FIELDS.index(name)] for name in ("loc_y", "scale_y", "true_value")}
-    target = regression_metrics(heads, col["loc_y"], col["scale_y"], col["true_value"], prefix="")
-    target["n_targets"] = len(targets)
-    return position_metrics, target, target_stats, all_stats
+def causal_generated(model, tokenizer, examples: list[NumericExample], batch_size: int) -> list[float | None]:
+    """What `model.generate` (standard mode, greedy) writes after the text before each target: the value of its
+    first `<NUM>` when that comes before any word, else None (it did not write a number)."""
+    examples = with_target(examples)
+    tokenizer.padding_side = "left"
+    results: list[float | None] = []
+    for k in range(0, len(examples), batch_size):
+        prompts = [ex.text[:ex.target_char_span[0]] for ex in examples[k:k + batch_size]]
+        batch = tokenizer(prompts, return_tensors="pt", padding=True)
+        out = model.generate(**batch, max_new_tokens=3, return_dict_in_generate=True,
+                             pad_token_id=tokenizer.pad_token_id)
+        start = batch["input_ids"].shape[1]
+        for row in range(len(prompts)):
+            value = None
+            for step, token in enumerate(out.sequences[row, start:].tolist()):
+                if token == tokenizer.num_token_id:
+                    value = float(out.numeric_values[row, start + step])
+                    break
+                if tokenizer.decode([token]).strip():
+                    break
+            results.append(value)
+    tokenizer.padding_side = "right"
+    return results
 
 
-def target_predictions(heads: CausalQwenForCausalLM, target_stats: torch.Tensor) -> list[float]:
-    return heads.to_value(target_stats[:, FIELDS.index("loc_y")]).tolist()
+def causal_positions(model, tokenizer, examples: list[NumericExample], batch_size: int, seed: int) -> dict:
+    """Next-token metrics of DESIGN §6 over every position (`causal_qwen.metrics.evaluate`)."""
+    collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
+    features = tokenize_examples(tokenizer, [ex.text for ex in examples])
+    batches = (collator(features[k:k + batch_size]) for k in range(0, len(features), batch_size))
+    return evaluate(model, batches, generator=torch.Generator().manual_seed(seed))
+
+
+def interval_metrics(targets: dict) -> dict:
+    true = torch.tensor(targets["true"], dtype=torch.float64)
+
+    def inside(low: str, high: str) -> float:
+        lo, hi = torch.tensor(targets[low], dtype=torch.float64), torch.tensor(targets[high], dtype=torch.float64)
+        return ((true >= lo) & (true <= hi)).double().mean().item()
+
+    return {"reg_coverage_50": inside("low50", "high50"), "reg_coverage_90": inside("low90", "high90")}
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Arms (b) and (b2): Qwen's lm_head on cached features
+# Arms (b) and (b2): Qwen2 through transformers' Trainer
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def shifted_rows(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Features of the positions that have a next token, and that token."""
-    targets = batch["labels"][:, 1:]
-    valid = targets != IGNORE_INDEX
-    return batch["features"][:, :-1][valid], targets[valid]
+def new_qwen_with_head(profile: Profile, seed: int) -> Qwen2ForCausalLM:
+    """Qwen2.5 with its backbone frozen and an untied, trainable lm_head that starts as the tied embedding."""
+    qwen = load_qwen(profile.tiny, seed)
+    head = nn.Linear(qwen.config.hidden_size, qwen.config.vocab_size, bias=False)
+    head.weight.data.copy_(qwen.lm_head.weight.data)
+    qwen.lm_head = head
+    qwen.config.tie_word_embeddings = False
+    qwen.model.requires_grad_(False)
+    return qwen
 
 
-def train_digits(head: nn.Linear, data: Encoded, profile: Profile, steps: int, seed: int, ntl=None,
-                 desc: str = "train") -> list[dict]:
-    """Cross-entropy (+ 0.3·NTL when `ntl` is given) on the lm_head alone: on cached features this is exactly the
-    loss and gradient of the full model with a frozen backbone."""
-    optimizer = torch.optim.AdamW(head.parameters(), lr=profile.head_lr, weight_decay=0.0)
-    history = []
-    bar = tqdm(batches_of(len(data.ids), profile.batch_size, steps, seed), total=steps, desc=desc)
-    for step, rows in enumerate(bar, start=1):
-        feats, targets = shifted_rows(data.batch(rows, head.weight.device))
-        logits = head(feats)
-        ce = nn.functional.cross_entropy(logits, targets)
-        loss = ce
-        entry = {"step": step, "ce": ce.item(), "positions": len(targets)}
-        if ntl is not None:
-            # ntloss takes [B, T, V] logits and [B, T] labels that are already aligned (no shift inside).
-            number_loss = ntl(logits[None], targets[None])
-            loss = ce + NTL_WEIGHT * number_loss
-            entry["ntl"] = number_loss.item()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        entry["loss"] = loss.item()
-        history.append(entry)
-        bar.set_postfix(loss=f"{entry['loss']:.3f}")
-    return history
+def ntl_loss_function(ntl):
+    """`Trainer(compute_loss_func=...)`: CE + 0.3·NTL over the shifted, labelled positions."""
+
+    def loss(outputs, labels, num_items_in_batch=None):
+        logits, targets = outputs.logits[:, :-1], labels[:, 1:]
+        valid = targets != IGNORE_INDEX
+        logits, targets = logits[valid], targets[valid]
+        ce = nn.functional.cross_entropy(logits.float(), targets)
+        # ntloss takes [B, T, V] logits and [B, T] labels that are already aligned (no shift inside).
+        return ce + NTL_WEIGHT * ntl(logits[None], targets[None])
+
+    return loss
+
+
+def train_digits(model, tokenizer, train: list[NumericExample], profile: Profile, out: Path, seed: int,
+                 ntl=None) -> Trainer:
+    features = [{**f, "labels": f["input_ids"]} for f in tokenize_examples(tokenizer, [ex.text for ex in train])]
+    trainer = Trainer(model=model, args=training_args(out, profile, seed), train_dataset=features,
+                      data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX),
+                      compute_loss_func=ntl_loss_function(ntl) if ntl is not None else None)
+    model.train()
+    trainer.train()
+    model.eval()
+    return trainer
 
 
 @torch.no_grad()
-def evaluate_digits(head: nn.Linear, data: Encoded, digit_ids: torch.Tensor, profile: Profile) -> dict:
-    """Next-token accuracy, softmax perplexity and the F1 of predicting a digit, over all valid positions."""
+def digit_positions(model, tokenizer, examples: list[NumericExample], batch_size: int) -> dict:
+    """Next-token accuracy, softmax perplexity and the F1 of predicting a digit, over all labelled positions."""
+    digit_ids = torch.tensor(tokenizer.convert_tokens_to_ids([str(d) for d in range(10)]))
     correct = nll = n = tp = predicted = actual = 0.0
-    for k in range(0, len(data.ids), profile.eval_batch):
-        rows = list(range(k, min(k + profile.eval_batch, len(data.ids))))
-        feats, targets = shifted_rows(data.batch(rows, head.weight.device))
-        logits = head(feats)
+    tokenizer.padding_side = "right"
+    for k in range(0, len(examples), batch_size):
+        batch = tokenizer([ex.text for ex in examples[k:k + batch_size]], return_tensors="pt", padding=True)
+        logits = model(**batch).logits[:, :-1]
+        targets = batch["input_ids"][:, 1:]
+        valid = batch["attention_mask"][:, 1:].bool()
+        logits, targets = logits[valid], targets[valid]
         pred = logits.argmax(-1)
         correct += (pred == targets).sum().item()
         nll += nn.functional.cross_entropy(logits, targets, reduction="sum").item()
@@ -429,54 +341,41 @@ def evaluate_digits(head: nn.Linear, data: Encoded, digit_ids: torch.Tensor, pro
 
 
 @torch.no_grad()
-def greedy_numbers(backbone, heads: dict[str, nn.Linear], tokenizer, examples: list[NumericExample],
-                   batch_size: int, desc: str) -> tuple[dict[str, list[float | None]], dict[str, list[str]]]:
-    """Greedy continuation of the text before each target, parsed as a number, for every head.
-
-    Returns the parsed values (None where the continuation does not start with a number) and the decoded
-    continuations.
-
-    The prompt is prefilled once per batch (left padding) and its KV cache is copied for each head, so the
-    heads share the prompt's cost. A row stops at its first token that cannot continue a number.
-    """
+def greedy_numbers(model, tokenizer, examples: list[NumericExample], batch_size: int) -> list[float | None]:
+    """Greedy continuation of the text before each target, parsed as a number (None when it does not start with
+    one). A row stops at its first token that cannot continue a number."""
     vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    number_piece = torch.zeros(backbone.embed_tokens.num_embeddings, dtype=torch.bool)
+    number_piece = torch.zeros(model.config.vocab_size, dtype=torch.bool)
     for i, token in enumerate(vocab):
         number_piece[i] = token is not None and token != "" and all(ch.isdigit() or ch in ".,-" for ch in token)
+    examples = with_target(examples)
     prompts = [ex.text[:ex.target_char_span[0]] for ex in examples]
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    results: dict[str, list[float | None]] = {name: [None] * len(prompts) for name in heads}
-    texts: dict[str, list[str]] = {name: [""] * len(prompts) for name in heads}
-    for k in tqdm(range(0, len(order), batch_size), desc=desc, leave=False):
-        rows = order[k:k + batch_size]
-        enc = tokenizer([prompts[i] for i in rows], padding=True, padding_side="left", return_tensors="pt")
+    results: list[float | None] = []
+    for k in range(0, len(prompts), batch_size):
+        enc = tokenizer(prompts[k:k + batch_size], padding=True, padding_side="left", return_tensors="pt")
         mask = enc["attention_mask"]
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        prefill = DynamicCache()
-        out = backbone(input_ids=enc["input_ids"], attention_mask=mask, position_ids=positions,
-                       past_key_values=prefill, use_cache=True)
-        for name, head in heads.items():
-            cache, hidden, step_mask = copy.deepcopy(prefill), out.last_hidden_state[:, -1], mask
-            position = positions[:, -1:]
-            generated = [[] for _ in rows]
-            done = torch.zeros(len(rows), dtype=torch.bool)
-            for _ in range(MAX_NEW_DIGITS):
-                token = head(hidden).argmax(-1)
-                done |= ~number_piece[token]
-                for b in (~done).nonzero().flatten().tolist():
-                    generated[b].append(int(token[b]))
-                if bool(done.all()):
-                    break
-                step_mask = torch.cat([step_mask, torch.ones(len(rows), 1, dtype=mask.dtype)], -1)
-                position = position + 1
-                hidden = backbone(input_ids=token[:, None], attention_mask=step_mask, position_ids=position,
-                                  past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
-            for b, i in enumerate(rows):
-                text = tokenizer.decode(generated[b])
-                spans = find_numbers(text)
-                results[name][i] = spans[0].value if spans and spans[0].start == 0 else None
-                texts[name][i] = text
-    return results, texts
+        cache = DynamicCache()
+        out = model(input_ids=enc["input_ids"], attention_mask=mask, position_ids=positions, past_key_values=cache,
+                    use_cache=True, logits_to_keep=1)
+        position = positions[:, -1:]
+        generated = [[] for _ in range(len(mask))]
+        done = torch.zeros(len(mask), dtype=torch.bool)
+        for _ in range(MAX_NEW_DIGITS):
+            token = out.logits[:, -1].argmax(-1)
+            done |= ~number_piece[token]
+            for b in (~done).nonzero().flatten().tolist():
+                generated[b].append(int(token[b]))
+            if bool(done.all()):
+                break
+            mask = torch.cat([mask, torch.ones(len(mask), 1, dtype=mask.dtype)], -1)
+            position = position + 1
+            out = model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
+                        past_key_values=cache, use_cache=True)
+        for ids in generated:
+            spans = find_numbers(tokenizer.decode(ids))
+            results.append(spans[0].value if spans and spans[0].start == 0 else None)
+    return results
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -485,10 +384,8 @@ def greedy_numbers(backbone, heads: dict[str, nn.Linear], tokenizer, examples: l
 
 
 def point_metrics(predicted: list[float | None], true: list[float]) -> dict:
-    """The regression metrics of `causal_qwen.metrics.regression_metrics` for point predictions.
-
-    An unparseable prediction counts as 0 (a model that writes no number is wrong); `parse_rate` says how often.
-    """
+    """Regression metrics of point predictions; an unparseable prediction counts as 0 (`parse_rate` says how
+    often a number was written)."""
     pred = torch.tensor([p if p is not None and math.isfinite(p) else 0.0 for p in predicted], dtype=torch.float64)
     y = torch.tensor(true, dtype=torch.float64)
     err = (pred - y).abs()
@@ -506,12 +403,14 @@ def point_metrics(predicted: list[float | None], true: list[float]) -> dict:
 
 
 def per_template(predicted: list[float | None], examples: list[NumericExample]) -> dict[str, float]:
-    """Median relative error of the target per template."""
+    """Median relative error of the target per template, and their average."""
     errors: dict[str, list[float]] = {}
     for p, ex in zip(predicted, examples, strict=True):
         p = p if p is not None and math.isfinite(p) else 0.0
         errors.setdefault(ex.template, []).append(abs(p - ex.target_value) / max(abs(ex.target_value), 1e-12))
-    return {name: statistics.median(v) for name, v in sorted(errors.items())}
+    table = {name: statistics.median(v) for name, v in sorted(errors.items())}
+    table["mean over templates"] = statistics.mean(table.values()) if table else float("nan")
+    return table
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -527,214 +426,164 @@ def hardware() -> str:
     return "\n".join(lines)
 
 
-def sweep_configs() -> list[dict]:
-    """The base configuration, then one field changed at a time."""
-    configs = [dict(BASE_CONFIG)]
-    for name, values in SWEEP.items():
-        configs += [{**BASE_CONFIG, name: value} for value in values]
-    return configs
+def fitted_start(profile: Profile, tokenizer, train: list[NumericExample], seed: int) -> dict:
+    """The value-head start of a fresh model on the training texts (`fit_value_head`, as a custom loop calls it)."""
+    model = new_causal(profile, tokenizer, seed)
+    collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
+    features = tokenize_examples(tokenizer, [ex.text for ex in train])
+    batches = (collator(features[k:k + profile.eval_batch]) for k in range(0, len(features), profile.eval_batch))
+    fit_value_head(model, batches)
+    return {"head": copy.deepcopy(model.action.reg_head.state_dict()), "fit": model.config.value_head_fit,
+            "log_noise": model.action.reg_log_noise.detach().clone()}
 
 
-def model_fields(config: dict) -> dict:
-    """The CausalQwenConfig fields of a sweep configuration."""
-    return {k: v for k, v in config.items() if k not in ("warm_start", "num_row_init")}
+def run_sweep(profile: Profile, tokenizer, data: dict, out: Path, seed: int, lap) -> list[dict]:
+    """Short runs of (a) from the same start, one choice changed at a time, read on validation.
 
-
-def new_causal(qwen, num_id: int, config: dict, numeric_embedding: nn.Module, data: dict, seed: int,
-               digit_ids: list[int] | None = None):
-    """Fresh heads for `config` reading the cached features (their numeric embedding is the one that made them)."""
-    row_init = digit_ids if config.get("num_row_init") == "digits" else "copy"
-    heads = causal_heads(qwen, num_id, seed, num_row_init=row_init, **model_fields(config)).to(qwen.device)
-    heads.numeric_embedding.load_state_dict(numeric_embedding.state_dict())
-    warm = warm_start_regression(heads, data["train"], data["validation"]) if config["warm_start"] else None
-    return heads, warm
-
-
-def describe(config: dict) -> str:
-    changed = [f"{k}={v}" for k, v in config.items() if BASE_CONFIG.get(k) != v]
-    return ", ".join(changed) or "base (code defaults)"
-
-
-def select_defaults(rows: list[dict]) -> dict:
-    """For each swept field, the value whose run ranks best on validation; ties keep the base value.
-
-    A run's score is its mean rank over three validation metrics: the target's median relative error (numbers),
-    the next-token accuracy and the OvR perplexity (text).
+    The value head is fitted once (`fit_value_head` through the trainer of the first run) and every later run starts
+    from that fit: a model whose config records a fit is not fitted again, as for a reloaded checkpoint.
     """
-    keys = [("target", "reg_rel_err_median", 1), ("positions", "eval/accuracy", -1), ("positions", "eval/ppl_ovr", 1)]
-    score = [0.0] * len(rows)
-    for part, key, sign in keys:
-        ranked = sorted(range(len(rows)), key=lambda i: sign * rows[i][part][key])
-        for rank, i in enumerate(ranked):
-            score[i] += rank / len(keys)
-    chosen = dict(BASE_CONFIG)
-    for name in SWEEP:
-        candidates = [i for i, r in enumerate(rows) if all(r["config"][k] == BASE_CONFIG[k] for k in BASE_CONFIG
-                                                           if k != name)]
-        best = min(candidates, key=lambda i: (score[i], rows[i]["config"][name] != BASE_CONFIG[name]))
-        chosen[name] = rows[best]["config"][name]
-    for row, s in zip(rows, score, strict=True):
-        row["selection_score"] = s
-    return chosen
+    rows, fitted = [], fitted_start(profile, tokenizer, data["train"], seed)
+    lap("sweep: value-head start")
+    for name, change in SWEEP.items():
+        t0 = time.perf_counter()
+        model = new_causal(profile, tokenizer, seed, **change.get("config", {}))
+        start = change.get("start", True)
+        if start:
+            model.action.reg_head.load_state_dict(fitted["head"])
+            model.action.reg_log_noise.data.copy_(fitted["log_noise"])
+            model.config.value_head_fit = fitted["fit"]
+        trainer = train_causal(model, tokenizer, data["train"], profile, out / "sweep", seed,
+                               steps=profile.sweep_steps, scales=change.get("scales"), start=start)
+        targets = causal_targets(model, tokenizer, data["validation"], profile.eval_batch)
+        positions = causal_positions(model, tokenizer, data["validation"], profile.eval_batch, seed)
+        rows.append({"name": name, "change": change, "positions": positions,
+                     "target": {**point_metrics(targets["median"], targets["true"]), **interval_metrics(targets)},
+                     "per_template": per_template(targets["median"], targets["examples"]),
+                     "final_loss": [e["loss"] for e in trainer.state.log_history if "loss" in e][-1],
+                     "seconds": round(time.perf_counter() - t0, 1)})
+        print(f"sweep {name}: rel err {rows[-1]['target']['reg_rel_err_median']:.4g}, "
+              f"acc {positions['eval/accuracy']:.4f}, num_f1 {positions['eval/num_f1']:.3f}", flush=True)
+        lap(f"sweep {name}")
+        del model, trainer
+    return rows
 
 
 def run(args: argparse.Namespace) -> dict:
     profile = replace(PROFILES[args.profile], **{k: v for k, v in (
-        ("n_train", args.num_train), ("steps", args.steps), ("sweep_steps", args.sweep_steps),
-        ("batch_size", args.batch_size), ("n_test", args.num_test), ("n_extrapolation", args.num_test),
-        ("n_validation", args.num_validation)) if v is not None})
+        ("n_train", args.num_train), ("steps", args.steps), ("batch_size", args.batch_size),
+        ("sweep_steps", args.sweep_steps)) if v is not None})
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(args.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() and not profile.tiny else "cpu")
     timings: dict[str, float] = {}
-    started = time.perf_counter()
+    started = last = time.perf_counter()
 
-    def lap(name: str, since: float) -> float:
-        timings[name] = round(time.perf_counter() - since, 1)
-        print(f"[{time.perf_counter() - started:7.1f}s] {name}: {timings[name]}s", flush=True)
-        return time.perf_counter()
+    def lap(name: str) -> None:
+        nonlocal last
+        timings[name] = round(time.perf_counter() - last, 1)
+        last = time.perf_counter()
+        print(f"[{last - started:7.1f}s] {name}: {timings[name]}s", flush=True)
 
-    t = time.perf_counter()
-    splits = make_splits(profile.n_train, profile.n_validation, profile.n_test, profile.n_extrapolation,
-                         seed=args.seed)
+    data = load_data(profile, args.seed)
     num_tokenizer = CausalQwenTokenizer.from_pretrained(QWEN_DIR)
     digit_tokenizer = AutoTokenizer.from_pretrained(QWEN_DIR)
-    qwen = load_qwen(profile.tiny, args.seed).to(device)
-    qwen.requires_grad_(False)
-    backbone = qwen.model
-    num_id = num_tokenizer.num_token_id
-    t = lap("load", t)
+    eval_splits = ("test", "real_test", "extrapolation")
+    results: dict = {"arms": {}, "per_template": {s: {} for s in eval_splits}, "curves": {}}
+    lap("load")
 
-    # Features. (a): numbers enter through the numeric embedding, frozen at its initial value.
-    base_heads = causal_heads(qwen, num_id, args.seed, **model_fields(BASE_CONFIG)).to(device)
-    numeric_embedding = base_heads.numeric_embedding
+    if args.sweep:
+        results["sweep"] = run_sweep(profile, num_tokenizer, data, out, args.seed, lap)
+        timings["total"] = round(time.perf_counter() - started, 1)
+        results.update({"command": args.command_line, "profile": asdict(profile), "timings_s": timings,
+                        "learning_rate_scales": LEARNING_RATE_SCALES, "hardware": hardware()})
+        (out / "sweep.json").write_text(json.dumps(results, indent=2, default=str), encoding="utf-8")
+        (out / "sweep.md").write_text(markdown(results), encoding="utf-8")
+        print(markdown(results))
+        return results
+    results["sweep"] = []
 
-    def numeric_embed(ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        ids, values = ids.to(device), values.to(device)
-        return numeric_embedding(backbone.embed_tokens(ids), ids, values)
+    # (a) CausalQwen, every default.
+    model = new_causal(profile, num_tokenizer, args.seed)
+    validation = data["validation"]
 
-    def digit_embed(ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        return backbone.embed_tokens(ids.to(device))
+    def value_curve(m) -> dict:
+        targets = causal_targets(m, num_tokenizer, validation, profile.eval_batch)
+        m.train()
+        return {"reg_rel_err_median": point_metrics(targets["median"], targets["true"])["reg_rel_err_median"],
+                **interval_metrics(targets), "w_num_norm": m.numeric_embedding.w_num.norm().item(),
+                "b_reg": m.action.reg_head.bias.item(), "gamma_y": m.action.reg_log_noise.exp().item()}
 
-    numeric_data, digit_data, throughput = {}, {}, {}
-    for split, examples in splits.items():
-        numeric_data[split] = encode_numeric(num_tokenizer, examples)
-        digit_data[split] = encode_digits(digit_tokenizer, examples)
-        throughput[f"numeric/{split}"] = cache_features(backbone, numeric_data[split], profile.feature_batch,
-                                                        numeric_embed, desc=f"features (a) {split}")
-        throughput[f"digits/{split}"] = cache_features(backbone, digit_data[split], profile.feature_batch,
-                                                       digit_embed, desc=f"features (b) {split}")
-        t = lap(f"features {split}", t)
-    print("backbone tokens/s:", {k: round(v, 1) for k, v in throughput.items()}, flush=True)
-    tokens = {"numeric": {s: d.tokens() for s, d in numeric_data.items()},
-              "digits": {s: d.tokens() for s, d in digit_data.items()}}
+    curve = CurveCallback(max(1, profile.steps // 8), value_curve)
+    w_num_start = model.numeric_embedding.w_num.detach().clone()
+    trainer = train_causal(model, num_tokenizer, data["train"], profile, out / "a", args.seed, curve=curve)
+    results["value_head_fit"] = model.config.value_head_fit
+    results["curves"]["a"] = curve.points
+    results["w_num_relative_change"] = ((model.numeric_embedding.w_num - w_num_start).norm()
+                                        / w_num_start.norm()).item()
+    histories = {"a": trainer.state.log_history}
+    lap("train (a)")
+    results["arms"]["a"] = {}
+    for split in eval_splits:
+        targets = causal_targets(model, num_tokenizer, data[split], profile.eval_batch)
+        generated = causal_generated(model, num_tokenizer, data[split], profile.decode_batch)
+        positions = causal_positions(model, num_tokenizer, data[split], profile.eval_batch, args.seed)
+        results["arms"]["a"][split] = {
+            "positions": positions,
+            "target": {**point_metrics(targets["median"], targets["true"]), **interval_metrics(targets)},
+            "generated": point_metrics(generated, [ex.target_value for ex in with_target(data[split])]),
+        }
+        results["per_template"][split]["a"] = per_template(targets["median"], targets["examples"])
+        results["per_template"][split]["a (generate)"] = per_template(generated, with_target(data[split]))
+        plot_predictions(model, _stats_for_plot(targets), out / f"a_predictions_{split}.png")
+    lap("eval (a)")
+    model.save_pretrained(out / "a" / "final")
+    num_tokenizer.save_pretrained(out / "a" / "final")
+    del model, trainer
 
-    # Sweep (a) on validation: short runs, one field changed at a time.
-    sweep_rows = []
-    if profile.sweep_steps > 0 and not args.skip_sweep:
-        for config in sweep_configs():
-            t0 = time.perf_counter()
-            heads, _ = new_causal(qwen, num_id, config, numeric_embedding, numeric_data, args.seed)
-            history = train_causal(heads, numeric_data["train"], profile, profile.sweep_steps, args.seed,
-                                   desc=f"sweep {describe(config)}", batch_size=profile.sweep_batch_size)
-            positions, target, _, _ = evaluate_causal(heads, numeric_data["validation"], profile, args.seed,
-                                                   desc="sweep eval")
-            sweep_rows.append({"config": config, "name": describe(config), "positions": positions,
-                               "target": target, "final_loss": history[-1]["loss"],
-                               "seconds": round(time.perf_counter() - t0, 1)})
-            print(f"sweep {describe(config)}: {target['reg_rel_err_median']:.4g} rel err, "
-                  f"acc {positions['eval/accuracy']:.4f}, ppl_ovr {positions['eval/ppl_ovr']:.4g}", flush=True)
-            del heads
-        chosen = select_defaults(sweep_rows)
-        t = lap("sweep", t)
-    else:
-        chosen = dict(BASE_CONFIG)
-    if args.a_config == "base":
-        chosen = dict(BASE_CONFIG)
-    print("arm (a) configuration:", chosen, flush=True)
-
-    results: dict = {"arms": {}, "per_template": {}}
-    true = {s: [ex.target_value for ex in splits[s] if ex.target_value is not None] for s in ("test", "extrapolation")}
-    with_target = {s: [ex for ex in splits[s] if ex.target_value is not None] for s in ("test", "extrapolation")}
-
-    # (a) CausalQwen with the code's configuration, and (a+) with the two opt-in options on top of it.
-    digit_rows = num_tokenizer.convert_tokens_to_ids([str(d) for d in range(10)])
-    histories, results["warm_start"] = {}, {}
-    arms_a = {"a": chosen, "a_plus": {**chosen, **PLUS_OPTIONS}}
-    if args.skip_plus:
-        del arms_a["a_plus"]
-    for arm, config in arms_a.items():
-        heads, results["warm_start"][arm] = new_causal(qwen, num_id, config, numeric_embedding, numeric_data,
-                                                       args.seed, digit_rows)
-        histories[arm] = train_causal(heads, numeric_data["train"], profile, profile.steps, args.seed,
-                                      desc=f"train ({arm})")
-        t = lap(f"train ({arm})", t)
-        results["arms"][arm] = {}
-        for split in ("test", "extrapolation"):
-            positions, target, target_stats, all_stats = evaluate_causal(heads, numeric_data[split], profile,
-                                                                         args.seed, desc=f"eval ({arm}) {split}")
-            results["arms"][arm][split] = {"positions": positions, "target": target}
-            predicted = target_predictions(heads, target_stats)
-            examples = [ex for ex, i in zip(splits[split], numeric_data[split].target_index, strict=True) if i > 0]
-            results["per_template"].setdefault(split, {})[arm] = per_template(predicted, examples)
-            plot_predictions(heads, target_stats, out / f"{arm}_predictions_{split}.png")
-            plot_u_scale(all_stats, out / f"{arm}_u_scale_{split}.png")
-        if heads.action.reg_log_noise is not None:
-            results["warm_start"][arm]["final_regression_noise"] = heads.action.reg_log_noise.exp().item()
-        t = lap(f"eval ({arm})", t)
-        del heads
-
-    # (b) and (b2): an untied copy of the tied embedding as the lm_head, trained on the same texts and steps.
-    ntl_fn = None
+    # (b) and (b2): Qwen + CE, Qwen + CE + NTL.
     try:
         from ntloss import NTLoss
-
-        ntl_fn = NTLoss(tokenizer=digit_tokenizer, vocab_size=qwen.config.vocab_size)
     except ImportError:
+        NTLoss = None
         print("ntloss is not installed: arm (b2) is skipped (pip install ntloss)")
-    lm_heads = {}
-    for name, ntl in (("b", None), ("b2", ntl_fn)):
-        if name == "b2" and ntl is None:
+    for name in ("b", "b2"):
+        if name == "b2" and NTLoss is None:
             continue
-        head = nn.Linear(qwen.config.hidden_size, qwen.config.vocab_size, bias=False).to(device)
-        head.weight.data.copy_(qwen.lm_head.weight.data)
-        histories[name] = train_digits(head, digit_data["train"], profile, profile.steps, args.seed, ntl=ntl,
-                                       desc=f"train ({name})")
-        lm_heads[name] = head.requires_grad_(False)
-        t = lap(f"train ({name})", t)
-    digit_ids = torch.tensor(digit_tokenizer.convert_tokens_to_ids([str(d) for d in range(10)]), device=device)
-    for split in ("test", "extrapolation"):
-        decoded, continuations = greedy_numbers(backbone, lm_heads, digit_tokenizer, with_target[split],
-                                                profile.decode_batch, desc=f"decode {split}")
-        for name, head in lm_heads.items():
-            results["arms"].setdefault(name, {})[split] = {
-                "positions": evaluate_digits(head, digit_data[split], digit_ids, profile),
-                "target": point_metrics(decoded[name], true[split]),
+        model = new_qwen_with_head(profile, args.seed)
+        ntl = NTLoss(tokenizer=digit_tokenizer, vocab_size=model.config.vocab_size) if name == "b2" else None
+        trainer = train_digits(model, digit_tokenizer, data["train"], profile, out / name, args.seed, ntl)
+        histories[name] = trainer.state.log_history
+        lap(f"train ({name})")
+        results["arms"][name] = {}
+        for split in eval_splits:
+            decoded = greedy_numbers(model, digit_tokenizer, data[split], profile.decode_batch)
+            results["arms"][name][split] = {
+                "positions": digit_positions(model, digit_tokenizer, data[split], profile.eval_batch),
+                "target": point_metrics(decoded, [ex.target_value for ex in with_target(data[split])]),
             }
-            results["per_template"][split][name] = per_template(decoded[name], with_target[split])
-            results.setdefault("samples", {}).setdefault(split, {})[name] = [
-                {"prompt": ex.text[:ex.target_char_span[0]], "true": ex.target_value, "continuation": c, "parsed": v}
-                for ex, c, v in list(zip(with_target[split], continuations[name], decoded[name], strict=True))[:12]]
-        t = lap(f"eval (b) {split}", t)
+            results["per_template"][split][name] = per_template(decoded, with_target(data[split]))
+        lap(f"eval ({name})")
+        del model, trainer
 
     # (c) the trivial baseline.
-    baselines = template_baselines(splits["train"])
+    baselines = template_baselines(data["train"])
     for which, k in (("c_mean", 0), ("c_median", 1)):
-        for split in ("test", "extrapolation"):
-            predicted = [baselines[ex.template][k] for ex in with_target[split]]
-            results["arms"].setdefault(which, {})[split] = {"target": point_metrics(predicted, true[split])}
-            results["per_template"][split][which] = per_template(predicted, with_target[split])
+        for split in eval_splits:
+            examples = with_target(data[split])
+            predicted = [baselines[ex.template][k] for ex in examples]
+            results["arms"].setdefault(which, {})[split] = {
+                "target": point_metrics(predicted, [ex.target_value for ex in examples])}
+            results["per_template"][split][which] = per_template(predicted, examples)
 
     for name, history in histories.items():
         plot_loss_curves(history, out / f"loss_{name}.png")
+    _plot_curves(results["curves"]["a"], out / "a_value_curve.png")
     timings["total"] = round(time.perf_counter() - started, 1)
     results.update({
-        "command": args.command_line, "profile": asdict(profile), "seed": args.seed, "chosen_config": chosen,
-        "sweep": sweep_rows, "timings_s": timings, "backbone_tokens_per_s": throughput, "tokens": tokens,
-        "trained_texts_per_arm": profile.steps * profile.batch_size,
-        "trained_positions": {name: sum(e["positions"] for e in h) for name, h in histories.items()},
-        "hardware": hardware(), "torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(device),
+        "command": args.command_line, "profile": asdict(profile), "seed": args.seed, "timings_s": timings,
+        "learning_rate_scales": LEARNING_RATE_SCALES, "trained_texts_per_arm": profile.steps * profile.batch_size,
+        "n_train_texts": len(data["train"]), "hardware": hardware(), "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
     })
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str), encoding="utf-8")
     (out / "results.md").write_text(markdown(results), encoding="utf-8")
@@ -742,13 +591,49 @@ def run(args: argparse.Namespace) -> dict:
     return results
 
 
+def _stats_for_plot(targets: dict) -> torch.Tensor:
+    """The packed statistics (`causal_qwen.metrics.FIELDS`) that `plot_predictions` reads, for the target rows."""
+    stats = torch.zeros(len(targets["true"]), len(FIELDS), dtype=torch.float64)
+    stats[:, FIELDS.index("valid")] = 1.0
+    stats[:, FIELDS.index("target_is_num")] = 1.0
+    for field, key in (("loc_y", "loc_y"), ("scale_y", "scale_y"), ("true_value", "true")):
+        stats[:, FIELDS.index(field)] = torch.tensor(targets[key], dtype=torch.float64)
+    return stats
+
+
+def _plot_curves(points: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not points:
+        return
+    steps = [p["step"] for p in points]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    axes[0].plot(steps, [p["reg_rel_err_median"] for p in points], marker="o")
+    axes[0].set(title="value: median relative error (validation)", xlabel="step")
+    axes[1].plot(steps, [p["reg_coverage_50"] for p in points], marker="o", label="50% interval")
+    axes[1].plot(steps, [p["reg_coverage_90"] for p in points], marker="o", label="90% interval")
+    axes[1].set(title="interval coverage (validation)", xlabel="step", ylim=(0, 1.05))
+    axes[1].legend()
+    axes[2].plot(steps, [p["w_num_norm"] for p in points], marker="o", label="‖w_num‖")
+    axes[2].plot(steps, [p["gamma_y"] for p in points], marker="o", label="γ_Y")
+    axes[2].set(title="parameters", xlabel="step")
+    axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Tables
 # ----------------------------------------------------------------------------------------------------------------
 
-ARM_NAMES = {"a": "(a) CausalQwen", "a_plus": "(a+) CausalQwen, digit-row <NUM> + value noise",
-             "b": "(b) Qwen + CE", "b2": "(b2) Qwen + CE + 0.3·NTL",
+ARM_NAMES = {"a": "(a) CausalQwen", "b": "(b) Qwen + CE", "b2": "(b2) Qwen + CE + 0.3·NTL",
              "c_mean": "(c) template mean", "c_median": "(c) template median"}
+SPLIT_NAMES = {"test": "corpus test split", "real_test": "real-data test split",
+               "extrapolation": "extrapolation split"}
 
 
 def _fmt(x) -> str:
@@ -756,62 +641,72 @@ def _fmt(x) -> str:
         return "—"
     if isinstance(x, str):
         return x
-    if isinstance(x, int) or (isinstance(x, float) and x.is_integer() and abs(x) < 1e6):
-        return f"{x:.0f}" if isinstance(x, int) else f"{x:.4g}"
+    if isinstance(x, int):
+        return f"{x}"
     return f"{x:.4g}"
 
 
 def markdown(results: dict) -> str:
     lines = []
-    for split in ("test", "extrapolation"):
-        lines += [f"### Target number, {split} split", "",
+    for split, title in (SPLIT_NAMES.items() if results["arms"] else ()):
+        lines += [f"### Target number, {title}", "",
                   "| arm | reg_mdae | reg_mae | R² | R² symlog10 | median rel. err. | coverage 50% | coverage 90% "
-                  "| parsed |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| writes a number |", "|---|---|---|---|---|---|---|---|---|"]
         for arm, name in ARM_NAMES.items():
             if arm not in results["arms"]:
                 continue
             m = results["arms"][arm][split]["target"]
+            written = results["arms"][arm][split].get("generated", m).get("parse_rate")
             lines.append(f"| {name} | {_fmt(m['reg_mdae'])} | {_fmt(m['reg_mae'])} | {_fmt(m['reg_r2'])} | "
                          f"{_fmt(m['reg_r2_symlog'])} | {_fmt(m['reg_rel_err_median'])} | "
-                         f"{_fmt(m.get('reg_coverage_50'))} | {_fmt(m.get('reg_coverage_90'))} | "
-                         f"{_fmt(m.get('parse_rate', 1.0))} |")
-        lines += ["", f"### All positions, {split} split", "",
-                  "| arm | accuracy | num_f1 | ppl_softmax | ppl_ovr | ovr_prob_sum_median "
-                  "| ovr_prob_sum_median (causal) |",
-                  "|---|---|---|---|---|---|---|"]
-        for arm in ("a", "a_plus", "b", "b2"):
+                         f"{_fmt(m.get('reg_coverage_50'))} | {_fmt(m.get('reg_coverage_90'))} | {_fmt(written)} |")
+        if "a" in results["arms"]:
+            g = results["arms"]["a"][split]["generated"]
+            lines.append(f"| (a) by `generate` (standard mode) | {_fmt(g['reg_mdae'])} | {_fmt(g['reg_mae'])} | "
+                         f"{_fmt(g['reg_r2'])} | {_fmt(g['reg_r2_symlog'])} | {_fmt(g['reg_rel_err_median'])} | — | — "
+                         f"| {_fmt(g['parse_rate'])} |")
+        lines += ["", f"### All positions, {title}", "",
+                  "| arm | accuracy | num_f1 | ppl_softmax | ppl_ovr | ovr_prob_sum_median |", "|---" * 6 + "|"]
+        for arm in ("a", "b", "b2"):
             if arm not in results["arms"]:
                 continue
             m = results["arms"][arm][split]["positions"]
             lines.append(f"| {ARM_NAMES[arm]} | {_fmt(m['eval/accuracy'])} | {_fmt(m['eval/num_f1'])} | "
                          f"{_fmt(m['eval/ppl_softmax'])} | {_fmt(m.get('eval/ppl_ovr'))} | "
-                         f"{_fmt(m.get('dist/ovr_prob_sum_median'))} | "
-                         f"{_fmt(m.get('dist/ovr_prob_sum_median_causal'))} |")
-        templates = sorted({t for arm in results["per_template"][split].values() for t in arm})
-        arms = [a for a in ARM_NAMES if a in results["per_template"][split]]
-        lines += ["", f"### Median relative error of the target per template, {split} split", "",
-                  "| template | " + " | ".join(ARM_NAMES[a] for a in arms) + " |", "|---" * (len(arms) + 1) + "|"]
-        for template in templates:
-            cells = [_fmt(results["per_template"][split][a].get(template)) for a in arms]
-            lines.append(f"| {template} | " + " | ".join(cells) + " |")
+                         f"{_fmt(m.get('dist/ovr_prob_sum_median'))} |")
+        table = results["per_template"][split]
+        arms = list(table)
+        templates = sorted({t for arm in table.values() for t in arm if t != "mean over templates"})
+        lines += ["", f"### Median relative error of the target per template, {title}", "",
+                  "| template | " + " | ".join(ARM_NAMES.get(a, a) for a in arms) + " |",
+                  "|---" * (len(arms) + 1) + "|"]
+        for template in [*templates, "mean over templates"]:
+            lines.append(f"| {template} | " + " | ".join(_fmt(table[a].get(template)) for a in arms) + " |")
         lines.append("")
-    if results["sweep"]:
-        lines += ["### Sweep of arm (a) on the validation split", "",
-                  "| configuration | target median rel. err. | target mdae | coverage 90% | accuracy | num_f1 "
-                  "| ppl_softmax | ppl_ovr | ovr_prob_sum_median | (causal) | final train loss | score | seconds |",
-                  "|---" * 13 + "|"]
+    if results.get("curves", {}).get("a"):
+        lines += ["### Learning curve of (a) on the validation split", "",
+                  "| step | median rel. err. | coverage 50% | coverage 90% | ‖w_num‖ | b_reg | γ_Y |",
+                  "|---|---|---|---|---|---|---|"]
+        for p in results["curves"]["a"]:
+            lines.append(f"| {p['step']} | {_fmt(p['reg_rel_err_median'])} | {_fmt(p['reg_coverage_50'])} | "
+                         f"{_fmt(p['reg_coverage_90'])} | {_fmt(p['w_num_norm'])} | {_fmt(p['b_reg'])} | "
+                         f"{_fmt(p['gamma_y'])} |")
+        lines += ["", f"Value-head start: `{results.get('value_head_fit')}`; w_num moved by "
+                      f"{_fmt(results.get('w_num_relative_change'))} of its norm.", ""]
+    if results.get("sweep"):
+        lines += ["### Sweep of (a) on the validation split", "",
+                  "| run | median rel. err. | mean over templates | coverage 50% | coverage 90% | accuracy | num_f1 "
+                  "| ppl_ovr | final train loss | seconds |", "|---" * 10 + "|"]
         for row in results["sweep"]:
             p, t = row["positions"], row["target"]
-            lines.append(f"| {row['name']} | {_fmt(t['reg_rel_err_median'])} | {_fmt(t['reg_mdae'])} | "
+            lines.append(f"| {row['name']} | {_fmt(t['reg_rel_err_median'])} | "
+                         f"{_fmt(row['per_template']['mean over templates'])} | {_fmt(t['reg_coverage_50'])} | "
                          f"{_fmt(t['reg_coverage_90'])} | {_fmt(p['eval/accuracy'])} | {_fmt(p['eval/num_f1'])} | "
-                         f"{_fmt(p['eval/ppl_softmax'])} | {_fmt(p['eval/ppl_ovr'])} | "
-                         f"{_fmt(p['dist/ovr_prob_sum_median'])} | {_fmt(p['dist/ovr_prob_sum_median_causal'])} | "
-                         f"{_fmt(row['final_loss'])} | {_fmt(row['selection_score'])} | {_fmt(row['seconds'])} |")
-        lines += ["", f"Chosen configuration: `{results['chosen_config']}`", ""]
+                         f"{_fmt(p['eval/ppl_ovr'])} | {_fmt(row['final_loss'])} | {_fmt(row['seconds'])} |")
+        lines.append("")
     lines += ["### Wall time (seconds)", "", "| phase | seconds |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in results["timings_s"].items()]
-    lines += ["", "Backbone throughput (tokens/s): " + ", ".join(
-        f"{k} {v:.0f}" for k, v in results["backbone_tokens_per_s"].items()), ""]
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -820,16 +715,12 @@ def main() -> None:
     parser.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
     parser.add_argument("--output", default="runs/experiment")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-train", type=int, help="override the profile's training texts")
-    parser.add_argument("--num-validation", type=int)
-    parser.add_argument("--num-test", type=int, help="texts in the test and in the extrapolation split")
+    parser.add_argument("--num-train", type=int, help="override the profile's corpus training texts")
     parser.add_argument("--steps", type=int, help="optimizer steps per arm")
-    parser.add_argument("--sweep-steps", type=int, help="optimizer steps per sweep run (0: no sweep)")
     parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--skip-sweep", action="store_true")
-    parser.add_argument("--a-config", choices=["selected", "base"], default="selected",
-                        help="arm (a) uses the sweep's selection (default) or the code defaults")
-    parser.add_argument("--skip-plus", action="store_true", help="do not run arm (a+)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="run the short runs of SWEEP on validation instead of the arms")
+    parser.add_argument("--sweep-steps", type=int)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: all cores)")
     args = parser.parse_args()
     args.command_line = "python experiments/run_experiment.py " + " ".join(sys.argv[1:])
