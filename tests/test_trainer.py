@@ -104,7 +104,7 @@ def test_causal_qwen_trainer_logs_the_loss_parts(model, tmp_path):
 # its rate per step). Written out here, apart from causal_qwen.training.LEARNING_RATE_SCALES, so that the test checks
 # the table too.
 EXPECTED_SCALES = {
-    "action.cls_head": 1.0, "numeric_embedding": 0.1, "action.reg_head": 0.1, "abduction": 0.01,
+    "action.cls_head": 1.0, "numeric_embedding": 1.0, "action.reg_head": 1.0, "abduction": 0.01,
     "action.b_noise": 0.01, "action.threshold": 100.0, "action.reg_log_noise": 100.0,
 }
 
@@ -205,8 +205,8 @@ def test_lora_adapters_train_at_the_head_rate_and_saved_modules_at_theirs(model,
     lora_names = [n for n in got if "lora_" in n]
     assert lora_names and all(got[n] == 1e-3 for n in lora_names)
     assert got["base_model.model.action.modules_to_save.default.cls_head.weight"] == 1e-3
-    assert got["base_model.model.action.modules_to_save.default.reg_head.weight"] == pytest.approx(1e-4)
-    assert got["base_model.model.numeric_embedding.modules_to_save.default.w_num"] == pytest.approx(1e-4)
+    assert got["base_model.model.action.modules_to_save.default.reg_head.weight"] == pytest.approx(1e-3)
+    assert got["base_model.model.numeric_embedding.modules_to_save.default.w_num"] == pytest.approx(1e-3)
     assert got["base_model.model.abduction.modules_to_save.default.loc_net.weight"] == pytest.approx(1e-5)
     assert got["base_model.model.action.modules_to_save.default.b_noise"] == pytest.approx(1e-5)
     assert not any("original_module" in n for n in got)  # PEFT's frozen originals stay out
