@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from .generation_options import GenerationOptionError, check_generation_options
+
 __all__ = ["main", "build_parser"]
 
 DESCRIPTION = """\
@@ -96,8 +98,52 @@ def _add_data_arguments(parser: argparse.ArgumentParser, default_split: str, def
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_arguments(parser, args)
     return {"convert": run_convert, "generate": run_generate, "train": run_train, "eval": run_eval}[args.command](args)
+
+
+# Checked on the parsed arguments, before anything is loaded. Arguments a command lacks are skipped.
+_POSITIVE_INTS = ("max_new_tokens", "top_k", "max_steps", "batch_size", "max_length", "num_examples")
+_NON_NEGATIVE_INTS = ("seed",)
+_POSITIVE_FLOATS = ("temperature", "learning_rate")
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Stop with `parser.error` (exit status 2) on values and combinations that cannot work, before any loading."""
+    for dest, bound, holds in ((_POSITIVE_INTS, "a positive integer", lambda v: v >= 1),
+                               (_NON_NEGATIVE_INTS, "a non-negative integer", lambda v: v >= 0),
+                               (_POSITIVE_FLOATS, "a positive number", lambda v: v > 0)):
+        for name in dest:
+            value = getattr(args, name, None)
+            if value is not None and not holds(value):
+                parser.error(f"argument {_option(name)}: must be {bound}, got {value}")
+    if args.command == "convert":
+        try:
+            parse_overrides(args.overrides)
+        except ValueError as error:
+            parser.error(f"argument --set: {error}")
+    elif args.command == "generate":
+        _check_generate(parser, args)
+
+
+def _check_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        parser.error(f"argument --top-p: must lie in (0, 1], got {args.top_p}")
+    try:
+        check_generation_options(args.mode, args.shared_individual, args.shared_noise, args.do_sample)
+    except GenerationOptionError as error:
+        parser.error(f"argument {_option(error.argument)}: {error}")
+    for name in ("temperature", "top_k", "top_p"):
+        if getattr(args, name) is not None and not args.do_sample:
+            parser.error(f"argument {_option(name)}: sets how --do-sample samples; add --do-sample (with --mode "
+                         "traditional)")
+
+
+def _option(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
 
 
 def parse_overrides(pairs: list[str]) -> dict:
@@ -105,7 +151,7 @@ def parse_overrides(pairs: list[str]) -> dict:
     overrides = {}
     for pair in pairs:
         if "=" not in pair:
-            raise SystemExit(f"--set expects FIELD=VALUE, got {pair!r}")
+            raise ValueError(f"expects FIELD=VALUE, got {pair!r}")
         key, raw = pair.split("=", 1)
         try:
             value = ast.literal_eval(raw)
@@ -168,6 +214,7 @@ def run_generate(args) -> int:
                 median, low, high = model.value_interval(out.loc_Y[row, step], out.scale_Y[row, step], 0.9)
                 print(f"  number {median.item():.6g}: 90% interval [{low.item():.6g}, {high.item():.6g}]")
     return 0
+
 
 
 def _texts(args, split: str | None = None, n: int | None = None) -> list[str]:

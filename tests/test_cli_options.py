@@ -6,9 +6,11 @@ import sys
 import textwrap
 
 import pytest
+import torch
 from conftest import REPO_ROOT
 
 from causal_qwen import CausalQwenForCausalLM
+from causal_qwen.cli import build_parser, check_arguments, main
 
 # What pip writes as the `causal-qwen` console script.
 CONSOLE_SCRIPT = textwrap.dedent("""\
@@ -79,3 +81,59 @@ def test_import_causal_qwen_registers_with_the_auto_classes(tiny_qwen, tmp_path)
     """))
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["causal_qwen.modeling", "CausalQwenForCausalLM"]
+
+
+BAD_OPTIONS = [
+    (["generate", "M", "p", "--mode", "causal", "--shared-noise"], "--shared-noise"),
+    (["generate", "M", "p", "--mode", "traditional", "--shared-noise"], "--shared-noise"),
+    (["generate", "M", "p", "--shared-individual"], "--shared-individual"),
+    (["generate", "M", "p", "--mode", "traditional", "--shared-individual"], "--shared-individual"),
+    (["generate", "M", "p", "--do-sample"], "--do-sample"),
+    (["generate", "M", "p", "--mode", "causal", "--do-sample"], "--do-sample"),
+    (["generate", "M", "p", "--temperature", "0.7"], "--temperature"),
+    (["generate", "M", "p", "--mode", "traditional", "--top-k", "5"], "--top-k"),
+    (["generate", "M", "p", "--mode", "traditional", "--do-sample", "--top-p", "1.5"], "--top-p"),
+    (["generate", "M", "p", "--mode", "traditional", "--do-sample", "--temperature", "0"], "--temperature"),
+    (["generate", "M", "p", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["generate", "M", "p", "--max-new-tokens", "-3"], "--max-new-tokens"),
+    (["train", "M", "OUT", "--max-steps", "0"], "--max-steps"),
+    (["train", "M", "OUT", "--batch-size", "0"], "--batch-size"),
+    (["train", "M", "OUT", "--learning-rate", "-1e-4"], "--learning-rate"),
+    (["train", "M", "OUT", "--seed", "-1"], "--seed"),
+    (["eval", "M", "--batch-size", "0"], "--batch-size"),
+    (["convert", "M", "OUT", "--set", "ovr_threshold"], "--set"),
+]
+
+
+@pytest.mark.parametrize(("argv", "option"), BAD_OPTIONS)
+def test_bad_options_stop_while_parsing(tmp_path, capsys, argv, option):
+    # MODEL is a folder that does not exist: loading it would fail differently, and later.
+    missing = str(tmp_path / "no-such-model")
+    argv = [missing if a == "M" else str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}:" in err
+    assert "no-such-model" not in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "M", "p"],
+    ["generate", "M", "p", "--shared-noise"],
+    ["generate", "M", "p", "--mode", "causal", "--shared-individual"],
+    ["generate", "M", "p", "--mode", "traditional"],
+    ["generate", "M", "p", "--mode", "traditional", "--do-sample", "--temperature", "0.7", "--top-k", "5",
+     "--top-p", "1"],
+])
+def test_good_options_pass_the_checks(argv):
+    parser = build_parser()
+    check_arguments(parser, parser.parse_args(argv))
+
+
+def test_option_check_and_generate_share_one_rule(tiny_qwen):
+    # The command's check is the library's: generate raises for the same combination, naming the same argument.
+    model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=120)
+    with pytest.raises(ValueError, match="shared_noise"):
+        model.generate(torch.tensor([[1, 2]]), mode="causal", shared_noise=True, max_new_tokens=1)
