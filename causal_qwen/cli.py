@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--num-row-init", default="copy", choices=["copy", "digits"],
                          help="the <NUM> row of the classification head: Qwen's row of that id (copy, DESIGN §3) "
                               "or the mean of Qwen's rows of the digits 0-9")
+    convert.add_argument("--seed", type=int, default=0,
+                         help="seed of the weights the conversion draws (w_num, w_reg); the same seed gives the same "
+                              "model, and it is recorded as conversion_seed in config.json (default 0)")
 
     generate = commands.add_parser("generate", help="generate text, numbers written as digits",
                                    description="Generate a continuation of PROMPT in any mode.")
@@ -172,10 +175,11 @@ def run_convert(args) -> int:
     qwen = Qwen2ForCausalLM.from_pretrained(args.source, dtype=dtype)
     tokenizer = CausalQwenTokenizer.from_pretrained(args.source)
     model = CausalQwenForCausalLM.from_qwen(qwen, tokenizer=tokenizer, num_row_init=args.num_row_init,
-                                            **parse_overrides(args.overrides))
+                                            seed=args.seed, **parse_overrides(args.overrides))
     model.save_pretrained(args.output)
     tokenizer.save_pretrained(args.output)
-    print(f"saved CausalQwen to {args.output} (<NUM> id {model.config.num_token_id}, vocab {model.config.vocab_size})")
+    print(f"saved CausalQwen to {args.output} (<NUM> id {model.config.num_token_id}, vocab {model.config.vocab_size}, "
+          f"seed {args.seed})")
     return 0
 
 

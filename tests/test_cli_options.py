@@ -1,13 +1,17 @@
 """The causal-qwen command before and around the model: start-up imports, option checks, what it prints."""
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, tiny_qwen2_config
+from safetensors.torch import load_file
+from transformers import Qwen2ForCausalLM
 
 from causal_qwen import CausalQwenForCausalLM
 from causal_qwen.cli import build_parser, check_arguments, main
@@ -102,6 +106,7 @@ BAD_OPTIONS = [
     (["train", "M", "OUT", "--seed", "-1"], "--seed"),
     (["eval", "M", "--batch-size", "0"], "--batch-size"),
     (["convert", "M", "OUT", "--set", "ovr_threshold"], "--set"),
+    (["convert", "M", "OUT", "--seed", "-2"], "--seed"),
 ]
 
 
@@ -126,6 +131,7 @@ def test_bad_options_stop_while_parsing(tmp_path, capsys, argv, option):
     ["generate", "M", "p", "--mode", "traditional"],
     ["generate", "M", "p", "--mode", "traditional", "--do-sample", "--temperature", "0.7", "--top-k", "5",
      "--top-p", "1"],
+    ["convert", "M", "OUT", "--set", "ovr_threshold=20", "--seed", "3"],
 ])
 def test_good_options_pass_the_checks(argv):
     parser = build_parser()
@@ -137,3 +143,31 @@ def test_option_check_and_generate_share_one_rule(tiny_qwen):
     model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=120)
     with pytest.raises(ValueError, match="shared_noise"):
         model.generate(torch.tensor([[1, 2]]), mode="causal", shared_noise=True, max_new_tokens=1)
+
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+
+
+@pytest.fixture
+def converted(tmp_path, qwen25_dir):
+    base = tmp_path / "base"
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(tiny_qwen2_config(vocab_size=151936)).save_pretrained(base)
+    for name in TOKENIZER_FILES:
+        shutil.copy(qwen25_dir / name, base / name)
+    assert main(["convert", str(base), str(tmp_path / "cq")]) == 0
+    return tmp_path / "cq"
+
+
+def test_convert_seed_reproduces_the_model_and_is_recorded(converted, tmp_path):
+    base = converted.parent / "base"
+    assert main(["convert", str(base), str(tmp_path / "again")]) == 0
+    assert main(["convert", str(base), str(tmp_path / "seed3"), "--seed", "3"]) == 0
+    first, again, seed3 = (load_file(folder / "model.safetensors") for folder in (converted, tmp_path / "again",
+                                                                                   tmp_path / "seed3"))
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert {k for k in first if not torch.equal(first[k], seed3[k])} == {"numeric_embedding.w_num",
+                                                                         "action.reg_head.weight"}
+    assert json.loads((tmp_path / "seed3" / "config.json").read_text())["conversion_seed"] == 3
+    assert json.loads((converted / "config.json").read_text())["conversion_seed"] == 0
