@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=float)
     generate.add_argument("--max-new-tokens", type=int, default=32)
     generate.add_argument("--seed", type=int, default=0, help="seed of every random draw (default 0)")
-    generate.add_argument("--intervals", action="store_true", help="print the 90%% interval of every number")
+    generate.add_argument("--intervals", action="store_true",
+                          help="print the 90%% interval of every generated number (a freshly converted model "
+                               "rarely writes one: it says so)")
 
     train = commands.add_parser("train", help="fine-tune the causal heads (backbone frozen) with Trainer",
                                 description="Train with transformers' Trainer on the built-in numeric corpus or "
@@ -212,13 +214,22 @@ def run_generate(args) -> int:
         text = tokenizer.decode(out.sequences[row, start:], numeric_values=out.numeric_values[row, start:],
                                 skip_special_tokens=True)
         print(prompt + text)
-        if args.intervals and out.loc_Y is not None:
-            new = out.sequences[row, start:]
-            for step in (new == model.config.num_token_id).nonzero().flatten().tolist():
-                median, low, high = model.value_interval(out.loc_Y[row, step], out.scale_Y[row, step], 0.9)
-                print(f"  number {median.item():.6g}: 90% interval [{low.item():.6g}, {high.item():.6g}]")
+        if args.intervals:
+            _print_intervals(model, out, row, start)
     return 0
 
+
+def _print_intervals(model, out, row: int, start: int) -> None:
+    """One line per generated number; one line saying why when there is none, rather than silence."""
+    if out.loc_Y is None:
+        print("  (no interval: this model has no regression head)")
+        return
+    steps = (out.sequences[row, start:] == model.config.num_token_id).nonzero().flatten().tolist()
+    if not steps:
+        print("  (no number generated: no interval)")
+    for step in steps:
+        median, low, high = model.value_interval(out.loc_Y[row, step], out.scale_Y[row, step], 0.9)
+        print(f"  number {median.item():.6g}: 90% interval [{low.item():.6g}, {high.item():.6g}]")
 
 
 def _texts(args, split: str | None = None, n: int | None = None) -> list[str]:

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,8 +14,8 @@ from conftest import REPO_ROOT, tiny_qwen2_config
 from safetensors.torch import load_file
 from transformers import Qwen2ForCausalLM
 
-from causal_qwen import CausalQwenForCausalLM
-from causal_qwen.cli import build_parser, check_arguments, main
+from causal_qwen import CausalQwenConfig, CausalQwenForCausalLM
+from causal_qwen.cli import _print_intervals, build_parser, check_arguments, main
 
 # What pip writes as the `causal-qwen` console script.
 CONSOLE_SCRIPT = textwrap.dedent("""\
@@ -143,6 +144,24 @@ def test_option_check_and_generate_share_one_rule(tiny_qwen):
     model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=120)
     with pytest.raises(ValueError, match="shared_noise"):
         model.generate(torch.tensor([[1, 2]]), mode="causal", shared_noise=True, max_new_tokens=1)
+
+
+def test_intervals_say_when_no_number_was_generated(capsys):
+    config = CausalQwenConfig(**tiny_qwen2_config().to_dict() | {"num_token_id": 120})
+    model = CausalQwenForCausalLM(config).eval()
+    loc_y, scale_y = torch.tensor([[0.5, 1.0, 2.0]]), torch.tensor([[0.1, 0.1, 0.2]])
+    without = SimpleNamespace(sequences=torch.tensor([[7, 8, 9, 10, 11]]), loc_Y=loc_y, scale_Y=scale_y)
+    _print_intervals(model, without, row=0, start=2)
+    assert capsys.readouterr().out == "  (no number generated: no interval)\n"
+
+    with_one = SimpleNamespace(sequences=torch.tensor([[7, 8, 9, 120, 11]]), loc_Y=loc_y, scale_Y=scale_y)
+    _print_intervals(model, with_one, row=0, start=2)
+    lines = capsys.readouterr().out.splitlines()
+    median, low, high = model.value_interval(loc_y[0, 1], scale_y[0, 1], 0.9)
+    assert lines == [f"  number {median.item():.6g}: 90% interval [{low.item():.6g}, {high.item():.6g}]"]
+
+    _print_intervals(model, SimpleNamespace(sequences=with_one.sequences, loc_Y=None, scale_Y=None), row=0, start=2)
+    assert "no regression head" in capsys.readouterr().out
 
 
 
