@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from .generation_options import GenerationOptionError, check_generation_options
@@ -106,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_arguments(parser, args)
-    return {"convert": run_convert, "generate": run_generate, "train": run_train, "eval": run_eval}[args.command](args)
+    run = {"convert": run_convert, "generate": run_generate, "train": run_train, "eval": run_eval}[args.command]
+    with quiet_weight_bars():
+        return run(args)
 
 
 # Checked on the parsed arguments, before anything is loaded. Arguments a command lacks are skipped.
@@ -149,6 +153,28 @@ def _check_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 def _option(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
+
+@contextlib.contextmanager
+def quiet_weight_bars() -> Iterator[None]:
+    """Hide transformers' bars of every checkpoint load and save ("Loading weights", "Writing model shards").
+
+    The commands print a line for each step themselves. Download bars (huggingface_hub's) stay, and so do
+    Trainer's and evaluation's. The previous settings come back on exit, for callers of `main` in the same process.
+    """
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging
+
+    bars_on, hub_bars_on = logging.is_progress_bar_enabled(), not are_progress_bars_disabled()
+    logging.disable_progress_bar()  # turns the hub's bars off too
+    if hub_bars_on:
+        enable_progress_bars()
+    try:
+        yield
+    finally:
+        if bars_on:
+            logging.enable_progress_bar()
+        if not hub_bars_on:
+            disable_progress_bars()
 
 
 def parse_overrides(pairs: list[str]) -> dict:

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import Qwen2ForCausalLM
 
 from causal_qwen import CausalQwenConfig, CausalQwenForCausalLM
-from causal_qwen.cli import _print_intervals, build_parser, check_arguments, main
+from causal_qwen.cli import _print_intervals, build_parser, check_arguments, main, quiet_weight_bars
 
 # What pip writes as the `causal-qwen` console script.
 CONSOLE_SCRIPT = textwrap.dedent("""\
@@ -162,6 +162,23 @@ def test_intervals_say_when_no_number_was_generated(capsys):
 
     _print_intervals(model, SimpleNamespace(sequences=with_one.sequences, loc_Y=None, scale_Y=None), row=0, start=2)
     assert "no regression head" in capsys.readouterr().out
+
+
+def test_quiet_weight_bars_hides_load_and_save_bars_and_restores_the_setting(tiny_qwen, tmp_path, capsys):
+    from huggingface_hub.utils import are_progress_bars_disabled
+    from transformers.utils import logging
+
+    before = (logging.is_progress_bar_enabled(), are_progress_bars_disabled())
+    with quiet_weight_bars():
+        tiny_qwen.save_pretrained(tmp_path / "q")
+        Qwen2ForCausalLM.from_pretrained(tmp_path / "q")
+        assert not are_progress_bars_disabled() or before[1]  # downloads keep their bars
+    quiet = capsys.readouterr().err
+    assert "Writing model shards" not in quiet and "Loading weights" not in quiet
+    assert (logging.is_progress_bar_enabled(), are_progress_bars_disabled()) == before
+    if before[0]:
+        Qwen2ForCausalLM.from_pretrained(tmp_path / "q")
+        assert "Loading weights" in capsys.readouterr().err
 
 
 
