@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--eval-data", help="evaluation data (same forms as --data; 'corpus' is its validation "
                                           "split); default: the corpus validation split when training on the corpus")
     train.add_argument("--max-steps", type=int, default=100)
+    train.add_argument("--eval-steps", type=int,
+                       help="evaluate every N steps; 0: no evaluation (default: once, after the last step)")
+    train.add_argument("--eval-examples", type=int,
+                       help="evaluate on at most N examples (default: max-steps x batch-size / number of "
+                            "evaluations, so that evaluating costs less than training)")
     train.add_argument("--batch-size", type=int, default=8)
     train.add_argument("--learning-rate", type=float, default=1e-4,
                        help="learning rate of the classification head (default 1e-4); the other modules use fixed "
@@ -114,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # Checked on the parsed arguments, before anything is loaded. Arguments a command lacks are skipped.
-_POSITIVE_INTS = ("max_new_tokens", "top_k", "max_steps", "batch_size", "max_length", "num_examples")
-_NON_NEGATIVE_INTS = ("seed",)
+_POSITIVE_INTS = ("max_new_tokens", "top_k", "max_steps", "batch_size", "max_length", "num_examples", "eval_examples")
+_NON_NEGATIVE_INTS = ("seed", "eval_steps")
 _POSITIVE_FLOATS = ("temperature", "learning_rate")
 
 
@@ -135,6 +140,9 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error(f"argument --set: {error}")
     elif args.command == "generate":
         _check_generate(parser, args)
+    elif args.command == "train" and args.eval_steps is not None and args.eval_steps > args.max_steps:
+        parser.error(f"argument --eval-steps: {args.eval_steps} exceeds --max-steps {args.max_steps}, so no "
+                     "evaluation would run (0 turns evaluation off)")
 
 
 def _check_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -268,6 +276,21 @@ def _texts(args, split: str | None = None, n: int | None = None) -> list[str]:
     return read_texts(args.data, args.text_column)
 
 
+def _eval_plan(args) -> tuple[int, int]:
+    """Evaluate every `steps` steps on at most `examples` examples; by default once, costing less than training."""
+    steps = args.max_steps if args.eval_steps is None else args.eval_steps
+    evaluations = args.max_steps // steps if steps else 0
+    examples = args.eval_examples or max(1, args.max_steps * args.batch_size // max(1, evaluations))
+    return steps, examples
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+
+
 def run_train(args) -> int:
     from transformers import TrainingArguments
 
@@ -279,18 +302,25 @@ def run_train(args) -> int:
     model, tokenizer = _load(args.model)
     model.train()
     train_features = tokenize_texts(tokenizer, _texts(args), args.max_length)
-    if args.eval_data and args.eval_data != "corpus":
+    eval_steps, eval_examples = _eval_plan(args)
+    if not eval_steps:
+        eval_texts = []
+    elif args.eval_data and args.eval_data != "corpus":
         eval_texts = _texts(argparse.Namespace(**{**vars(args), "data": args.eval_data}))
     elif args.eval_data == "corpus" or args.data == "corpus":
         eval_texts = _texts(args, split="validation", n=max(16, args.num_examples // 10))
     else:
         eval_texts = []
     eval_features = tokenize_texts(tokenizer, eval_texts, args.max_length) or None
+    if eval_features and len(eval_features) > eval_examples:
+        print(f"evaluating on the first {eval_examples} of {len(eval_features)} evaluation examples (--eval-examples)")
+        eval_features = eval_features[:eval_examples]
     training_args = TrainingArguments(
         output_dir=args.output, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size, learning_rate=args.learning_rate, seed=args.seed,
         logging_steps=max(1, args.max_steps // 20), eval_strategy="steps" if eval_features else "no",
-        eval_steps=max(1, args.max_steps // 4), save_strategy="no", report_to=args.report_to,
+        eval_steps=eval_steps or None, save_strategy="no", report_to=args.report_to,
+        dataloader_pin_memory=_has_accelerator(),  # pinning without an accelerator only warns
     )
     collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
     trainer = CausalQwenTrainer(model=model, args=training_args, train_dataset=train_features,

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import Qwen2ForCausalLM
 
 from causal_qwen import CausalQwenConfig, CausalQwenForCausalLM
-from causal_qwen.cli import _print_intervals, build_parser, check_arguments, main, quiet_weight_bars
+from causal_qwen.cli import _eval_plan, _print_intervals, build_parser, check_arguments, main, quiet_weight_bars
 
 # What pip writes as the `causal-qwen` console script.
 CONSOLE_SCRIPT = textwrap.dedent("""\
@@ -104,6 +105,9 @@ BAD_OPTIONS = [
     (["train", "M", "OUT", "--max-steps", "0"], "--max-steps"),
     (["train", "M", "OUT", "--batch-size", "0"], "--batch-size"),
     (["train", "M", "OUT", "--learning-rate", "-1e-4"], "--learning-rate"),
+    (["train", "M", "OUT", "--eval-steps", "-1"], "--eval-steps"),
+    (["train", "M", "OUT", "--max-steps", "10", "--eval-steps", "11"], "--eval-steps"),
+    (["train", "M", "OUT", "--eval-examples", "0"], "--eval-examples"),
     (["train", "M", "OUT", "--seed", "-1"], "--seed"),
     (["eval", "M", "--batch-size", "0"], "--batch-size"),
     (["convert", "M", "OUT", "--set", "ovr_threshold"], "--set"),
@@ -132,6 +136,8 @@ def test_bad_options_stop_while_parsing(tmp_path, capsys, argv, option):
     ["generate", "M", "p", "--mode", "traditional"],
     ["generate", "M", "p", "--mode", "traditional", "--do-sample", "--temperature", "0.7", "--top-k", "5",
      "--top-p", "1"],
+    ["train", "M", "OUT", "--max-steps", "10", "--eval-steps", "10"],
+    ["train", "M", "OUT", "--eval-steps", "0", "--seed", "0"],
     ["convert", "M", "OUT", "--set", "ovr_threshold=20", "--seed", "3"],
 ])
 def test_good_options_pass_the_checks(argv):
@@ -144,6 +150,22 @@ def test_option_check_and_generate_share_one_rule(tiny_qwen):
     model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=120)
     with pytest.raises(ValueError, match="shared_noise"):
         model.generate(torch.tensor([[1, 2]]), mode="causal", shared_noise=True, max_new_tokens=1)
+
+
+@pytest.mark.parametrize(("max_steps", "batch_size", "eval_steps", "eval_examples", "expected"), [
+    (10, 8, None, None, (10, 80)),  # default: one evaluation, at most as many examples as training sees
+    (10, 8, 2, None, (2, 16)),  # five evaluations share the training's 80 examples
+    (10, 8, 3, None, (3, 26)),  # three evaluations (steps 3, 6, 9)
+    (10, 8, 0, None, (0, 80)),  # no evaluation
+    (10, 8, None, 500, (10, 500)),  # an explicit cap wins
+])
+def test_eval_plan_costs_no_more_than_training(max_steps, batch_size, eval_steps, eval_examples, expected):
+    args = SimpleNamespace(max_steps=max_steps, batch_size=batch_size, eval_steps=eval_steps,
+                           eval_examples=eval_examples)
+    steps, examples = _eval_plan(args)
+    assert (steps, examples) == expected
+    if eval_examples is None and steps:
+        assert (max_steps // steps) * examples <= max_steps * batch_size
 
 
 def test_intervals_say_when_no_number_was_generated(capsys):
@@ -207,3 +229,29 @@ def test_convert_seed_reproduces_the_model_and_is_recorded(converted, tmp_path):
                                                                          "action.reg_head.weight"}
     assert json.loads((tmp_path / "seed3" / "config.json").read_text())["conversion_seed"] == 3
     assert json.loads((converted / "config.json").read_text())["conversion_seed"] == 0
+
+
+@pytest.mark.parametrize(("extra", "evaluations"), [([], [(4, 8)]), (["--eval-steps", "2"], [(2, 4), (4, 4)]),
+                                                    (["--eval-steps", "0"], [])])
+def test_train_evaluates_as_planned_and_quietly(converted, tmp_path, monkeypatch, capsys, extra, evaluations):
+    from causal_qwen.training import CausalQwenTrainer
+
+    seen = []
+    evaluate = CausalQwenTrainer.evaluate
+
+    def counting_evaluate(self, *args, **kwargs):
+        seen.append((self.state.global_step, len(self.eval_dataset)))
+        return evaluate(self, *args, **kwargs)
+
+    monkeypatch.setattr(CausalQwenTrainer, "evaluate", counting_evaluate)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["train", str(converted), str(tmp_path / "trained"), "--num-examples", "24", "--max-steps", "4",
+                     "--batch-size", "2", "--max-length", "32", *extra]) == 0
+    # 4 steps of 2 examples: all evaluations together see at most those 8 examples (the validation split has 16).
+    assert seen == evaluations
+    assert sum(n for _, n in seen) <= 4 * 2
+    if not torch.cuda.is_available():
+        assert not [w for w in caught if "pin_memory" in str(w.message)]
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err and "Writing model shards" not in err
