@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+from .generation_options import GenerationOptionError, check_generation_options
 
 __all__ = ["main", "build_parser"]
 
@@ -42,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the <NUM> row of the classification head: the mean of Qwen's rows of the digits 0-9 "
                               "(default: <NUM> starts where Qwen expects a digit) or Qwen's row of that id (copy: "
                               "a reserved, untrained row, so the model starts never writing a number)")
+    convert.add_argument("--seed", type=int, default=0,
+                         help="seed of the weights the conversion draws (w_num, w_reg); the same seed gives the same "
+                              "model, and it is recorded as conversion_seed in config.json (default 0)")
 
     generate = commands.add_parser("generate", help="generate text, numbers written as digits",
                                    description="Generate a continuation of PROMPT in any mode.")
@@ -56,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=float)
     generate.add_argument("--max-new-tokens", type=int, default=32)
     generate.add_argument("--seed", type=int, default=0, help="seed of every random draw (default 0)")
-    generate.add_argument("--intervals", action="store_true", help="print the 90%% interval of every number")
+    generate.add_argument("--intervals", action="store_true",
+                          help="print the 90%% interval of every generated number (a freshly converted model "
+                               "rarely writes one: it says so)")
 
     train = commands.add_parser("train", help="fine-tune the causal heads (backbone frozen) with Trainer",
                                 description="Train with transformers' Trainer on the built-in numeric corpus or "
@@ -67,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--eval-data", help="evaluation data (same forms as --data; 'corpus' is its validation "
                                           "split); default: the corpus validation split when training on the corpus")
     train.add_argument("--max-steps", type=int, default=100)
+    train.add_argument("--eval-steps", type=int,
+                       help="evaluate every N steps; 0: no evaluation (default: once, after the last step)")
+    train.add_argument("--eval-examples", type=int,
+                       help="evaluate on at most N examples (default: max-steps x batch-size / number of "
+                            "evaluations, so that evaluating costs less than training)")
     train.add_argument("--batch-size", type=int, default=8)
     train.add_argument("--learning-rate", type=float, default=1e-4,
                        help="learning rate of the classification head (default 1e-4); the other modules use fixed "
@@ -105,8 +119,79 @@ def _add_data_arguments(parser: argparse.ArgumentParser, default_split: str, def
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return {"convert": run_convert, "generate": run_generate, "train": run_train, "eval": run_eval}[args.command](args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_arguments(parser, args)
+    run = {"convert": run_convert, "generate": run_generate, "train": run_train, "eval": run_eval}[args.command]
+    with quiet_weight_bars():
+        return run(args)
+
+
+# Checked on the parsed arguments, before anything is loaded. Arguments a command lacks are skipped.
+_POSITIVE_INTS = ("max_new_tokens", "top_k", "max_steps", "batch_size", "max_length", "num_examples", "eval_examples")
+_NON_NEGATIVE_INTS = ("seed", "eval_steps")
+_POSITIVE_FLOATS = ("temperature", "learning_rate")
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Stop with `parser.error` (exit status 2) on values and combinations that cannot work, before any loading."""
+    for dest, bound, holds in ((_POSITIVE_INTS, "a positive integer", lambda v: v >= 1),
+                               (_NON_NEGATIVE_INTS, "a non-negative integer", lambda v: v >= 0),
+                               (_POSITIVE_FLOATS, "a positive number", lambda v: v > 0)):
+        for name in dest:
+            value = getattr(args, name, None)
+            if value is not None and not holds(value):
+                parser.error(f"argument {_option(name)}: must be {bound}, got {value}")
+    if args.command == "convert":
+        try:
+            parse_overrides(args.overrides)
+        except ValueError as error:
+            parser.error(f"argument --set: {error}")
+    elif args.command == "generate":
+        _check_generate(parser, args)
+    elif args.command == "train" and args.eval_steps is not None and args.eval_steps > args.max_steps:
+        parser.error(f"argument --eval-steps: {args.eval_steps} exceeds --max-steps {args.max_steps}, so no "
+                     "evaluation would run (0 turns evaluation off)")
+
+
+def _check_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        parser.error(f"argument --top-p: must lie in (0, 1], got {args.top_p}")
+    try:
+        check_generation_options(args.mode, args.shared_individual, args.shared_noise, args.do_sample)
+    except GenerationOptionError as error:
+        parser.error(f"argument {_option(error.argument)}: {error}")
+    for name in ("temperature", "top_k", "top_p"):
+        if getattr(args, name) is not None and not args.do_sample:
+            parser.error(f"argument {_option(name)}: sets how --do-sample samples; add --do-sample (with --mode "
+                         "traditional)")
+
+
+def _option(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+@contextlib.contextmanager
+def quiet_weight_bars() -> Iterator[None]:
+    """Hide transformers' bars of every checkpoint load and save ("Loading weights", "Writing model shards").
+
+    The commands print a line for each step themselves. Download bars (huggingface_hub's) stay, and so do
+    Trainer's and evaluation's. The previous settings come back on exit, for callers of `main` in the same process.
+    """
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging
+
+    bars_on, hub_bars_on = logging.is_progress_bar_enabled(), not are_progress_bars_disabled()
+    logging.disable_progress_bar()  # turns the hub's bars off too
+    if hub_bars_on:
+        enable_progress_bars()
+    try:
+        yield
+    finally:
+        if bars_on:
+            logging.enable_progress_bar()
+        if not hub_bars_on:
+            disable_progress_bars()
 
 
 def parse_overrides(pairs: list[str]) -> dict:
@@ -114,7 +199,7 @@ def parse_overrides(pairs: list[str]) -> dict:
     overrides = {}
     for pair in pairs:
         if "=" not in pair:
-            raise SystemExit(f"--set expects FIELD=VALUE, got {pair!r}")
+            raise ValueError(f"expects FIELD=VALUE, got {pair!r}")
         key, raw = pair.split("=", 1)
         try:
             value = ast.literal_eval(raw)
@@ -135,10 +220,11 @@ def run_convert(args) -> int:
     qwen = Qwen2ForCausalLM.from_pretrained(args.source, dtype=dtype)
     tokenizer = CausalQwenTokenizer.from_pretrained(args.source)
     model = CausalQwenForCausalLM.from_qwen(qwen, tokenizer=tokenizer, num_row_init=args.num_row_init,
-                                            **parse_overrides(args.overrides))
+                                            seed=args.seed, **parse_overrides(args.overrides))
     model.save_pretrained(args.output)
     tokenizer.save_pretrained(args.output)
-    print(f"saved CausalQwen to {args.output} (<NUM> id {model.config.num_token_id}, vocab {model.config.vocab_size})")
+    print(f"saved CausalQwen to {args.output} (<NUM> id {model.config.num_token_id}, vocab {model.config.vocab_size}, "
+          f"seed {args.seed})")
     return 0
 
 
@@ -171,12 +257,22 @@ def run_generate(args) -> int:
         text = tokenizer.decode(out.sequences[row, start:], numeric_values=out.numeric_values[row, start:],
                                 skip_special_tokens=True)
         print(prompt + text)
-        if args.intervals and out.loc_Y is not None:
-            new = out.sequences[row, start:]
-            for step in (new == model.config.num_token_id).nonzero().flatten().tolist():
-                median, low, high = model.value_interval(out.loc_Y[row, step], out.scale_Y[row, step], 0.9)
-                print(f"  number {median.item():.6g}: 90% interval [{low.item():.6g}, {high.item():.6g}]")
+        if args.intervals:
+            _print_intervals(model, out, row, start)
     return 0
+
+
+def _print_intervals(model, out, row: int, start: int) -> None:
+    """One line per generated number; one line saying why when there is none, rather than silence."""
+    if out.loc_Y is None:
+        print("  (no interval: this model has no regression head)")
+        return
+    steps = (out.sequences[row, start:] == model.config.num_token_id).nonzero().flatten().tolist()
+    if not steps:
+        print("  (no number generated: no interval)")
+    for step in steps:
+        median, low, high = model.value_interval(out.loc_Y[row, step], out.scale_Y[row, step], 0.9)
+        print(f"  number {median.item():.6g}: 90% interval [{low.item():.6g}, {high.item():.6g}]")
 
 
 def _examples(args, split: str | None = None, n: int | None = None) -> list:
@@ -190,6 +286,21 @@ def _examples(args, split: str | None = None, n: int | None = None) -> list:
     return read_examples(args.data, args.text_column, args.prompt_column, args.completion_column)
 
 
+def _eval_plan(args) -> tuple[int, int]:
+    """Evaluate every `steps` steps on at most `examples` examples; by default once, costing less than training."""
+    steps = args.max_steps if args.eval_steps is None else args.eval_steps
+    evaluations = args.max_steps // steps if steps else 0
+    examples = args.eval_examples or max(1, args.max_steps * args.batch_size // max(1, evaluations))
+    return steps, examples
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+
+
 def run_train(args) -> int:
     from transformers import TrainingArguments
 
@@ -201,18 +312,25 @@ def run_train(args) -> int:
     model, tokenizer = _load(args.model)
     model.train()
     train_features = tokenize_examples(tokenizer, _examples(args), args.max_length)
-    if args.eval_data and args.eval_data != "corpus":
+    eval_steps, eval_size = _eval_plan(args)
+    if not eval_steps:
+        eval_examples = []
+    elif args.eval_data and args.eval_data != "corpus":
         eval_examples = _examples(argparse.Namespace(**{**vars(args), "data": args.eval_data}))
     elif args.eval_data == "corpus" or args.data == "corpus":
         eval_examples = _examples(args, split="validation", n=max(16, args.num_examples // 10))
     else:
         eval_examples = []
     eval_features = tokenize_examples(tokenizer, eval_examples, args.max_length) or None
+    if eval_features and len(eval_features) > eval_size:
+        print(f"evaluating on the first {eval_size} of {len(eval_features)} evaluation examples (--eval-examples)")
+        eval_features = eval_features[:eval_size]
     training_args = TrainingArguments(
         output_dir=args.output, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size, learning_rate=args.learning_rate, seed=args.seed,
         logging_steps=max(1, args.max_steps // 20), eval_strategy="steps" if eval_features else "no",
-        eval_steps=max(1, args.max_steps // 4), save_strategy="no", report_to=args.report_to,
+        eval_steps=eval_steps or None, save_strategy="no", report_to=args.report_to,
+        dataloader_pin_memory=_has_accelerator(),  # pinning without an accelerator only warns
     )
     collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
     trainer = CausalQwenTrainer(model=model, args=training_args, train_dataset=train_features,

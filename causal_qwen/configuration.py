@@ -67,6 +67,9 @@ class CausalQwenConfig(Qwen2Config):
             β of the abduction anchor (DESIGN.md §4, §7): when positive, the model keeps a frozen copy of its
             abduction network (`abduction_anchor`) and the loss adds β times the mean over labelled positions of
             Σ_c KL(U ‖ U⁰). Set by [`CausalQwenForCausalLM.enable_abduction_finetuning`].
+        conversion_seed (`int`, *optional*):
+            The seed of the random weights drawn by [`CausalQwenForCausalLM.from_qwen`] (`w_num`, `w_reg`), recorded
+            by it so that a checkpoint tells how to rebuild it; `None` for a model that was not converted.
 
     Example:
 
@@ -101,6 +104,7 @@ class CausalQwenConfig(Qwen2Config):
     abduction_anchor_weight: float = 0.0
     regression_noise: float | None = None
     value_head_fit: dict | None = None
+    conversion_seed: int | None = None
 
     def __post_init__(self, **kwargs):
         if self.causal_size is None:

@@ -24,8 +24,7 @@ from transformers.generation.streamers import BaseStreamer, TextStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cauchy import standard_from_uniform, uniform
-
-GENERATION_MODES = ("standard", "causal", "traditional")
+from .generation_options import GENERATION_MODES, check_generation_options
 
 __all__ = [
     "GENERATION_MODES", "CausalQwenGenerateOutput", "CausalGenerationState", "StreamerWithNumbers",
@@ -50,21 +49,6 @@ class CausalQwenGenerateOutput(GenerateDecoderOnlyOutput):
     numeric_values: torch.Tensor | None = None
     loc_Y: torch.Tensor | None = None
     scale_Y: torch.Tensor | None = None
-
-
-def check_generation_options(mode: str, shared_individual: bool, shared_noise: bool, do_sample: bool | None) -> None:
-    """Reject combinations DESIGN.md §5 leaves undefined, naming the argument."""
-    if mode not in GENERATION_MODES:
-        raise ValueError(f"mode must be one of {GENERATION_MODES}, got {mode!r}")
-    if shared_individual and mode != "causal":
-        raise ValueError(f"shared_individual=True needs mode='causal' (it fixes the sampled individual), got {mode!r}")
-    if shared_noise and mode != "standard":
-        raise ValueError(
-            f"shared_noise=True needs mode='standard' (with 'causal' the decision would keep no uncertainty), "
-            f"got {mode!r}"
-        )
-    if do_sample and mode != "traditional":
-        raise ValueError(f"do_sample=True samples from the softmax and needs mode='traditional', got {mode!r}")
 
 
 class CausalGenerationState:

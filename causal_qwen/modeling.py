@@ -629,6 +629,7 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
         *,
         dtype: torch.dtype | str | None = None,
         num_row_init: str | Sequence[int] | None = None,
+        seed: int = 0,
         **config_overrides,
     ) -> CausalQwenForCausalLM:
         """Build a CausalQwen from a Qwen2 causal LM, initialised as in DESIGN.md §3.
@@ -636,6 +637,10 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
         The backbone is copied unchanged, the abduction network is the identity with scale γ0, the
         classification head is a copy of Qwen's `lm_head` (untied) with zero bias, so `loc_S` equals
         Qwen's logits; `w_num` is drawn with the standard deviation of the embedding matrix.
+
+        Conversion is deterministic: the only random weights (`w_num`, then `action.reg_head.weight`) are drawn
+        on the CPU from a generator seeded with `seed`, so the same checkpoint and arguments give the same model on
+        any device, and the global RNG is left as it was. The seed is recorded as `config.conversion_seed`.
 
         Args:
             model_or_path: a `Qwen2ForCausalLM`, a local checkpoint folder, or a hub id.
@@ -650,8 +655,10 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
                 Qwen's, and since the mean of some logits never exceeds their maximum (ties go to the lower id),
                 greedy `traditional` decoding of text still equals Qwen's. Without a tokenizer the default falls
                 back to `"copy"`, with a warning.
+            seed: seed of the random draws (a non-negative int, default 0).
             **config_overrides: any field of [`CausalQwenConfig`], e.g. `num_token_id`, `ovr_threshold`.
         """
+        generator = _conversion_generator(seed, config_overrides)
         source = _load_qwen(model_or_path, dtype)
         use_numeric = config_overrides.get("use_numeric", True)
         num_token_id = config_overrides.pop("num_token_id", None)
@@ -675,10 +682,10 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
         vocab_size = base_vocab + 1 if num_token_id == base_vocab else base_vocab
 
         config = _causal_config_from(source.config, vocab_size=vocab_size, num_token_id=num_token_id,
-                                     overrides=config_overrides)
-        with torch.device(source.device):
+                                     overrides={**config_overrides, "conversion_seed": seed})
+        with torch.device(source.device), _global_rng_kept(source.device):
             model = cls(config).to(source.dtype)
-        _copy_qwen_weights(source, model, base_vocab)
+        _copy_qwen_weights(source, model, base_vocab, generator)
         if row_ids is not None:
             with torch.no_grad():
                 model.action.cls_head.weight[num_token_id] = source.lm_head.weight[row_ids].float().mean(0)
@@ -783,6 +790,22 @@ def _load_tokenizer_beside(path):
         return None
 
 
+def _conversion_generator(seed, config_overrides: dict) -> torch.Generator:
+    """A CPU generator for the random weights of a conversion: the same draws on every device."""
+    if "conversion_seed" in config_overrides:
+        raise ValueError("conversion_seed is recorded by from_qwen: pass seed= instead")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def _global_rng_kept(device: torch.device):
+    """Building the model draws throwaway initial weights from the global RNG; restore it afterwards."""
+    if device.type == "cpu":
+        return torch.random.fork_rng(devices=[])
+    return torch.random.fork_rng(devices=[device], device_type=device.type)
+
+
 def _causal_config_from(qwen_config, *, vocab_size: int, num_token_id: int | None, overrides: dict):
     fields = qwen_config.to_dict()
     for key in ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path",
@@ -794,8 +817,13 @@ def _causal_config_from(qwen_config, *, vocab_size: int, num_token_id: int | Non
 
 
 @torch.no_grad()
-def _copy_qwen_weights(source: Qwen2ForCausalLM, model: CausalQwenForCausalLM, base_vocab: int) -> None:
-    """Backbone unchanged, lm_head → cls_head (a separate copy); a grown `<NUM>` row starts at zero."""
+def _copy_qwen_weights(
+    source: Qwen2ForCausalLM, model: CausalQwenForCausalLM, base_vocab: int, generator: torch.Generator
+) -> None:
+    """Backbone unchanged, lm_head → cls_head (a separate copy); a grown `<NUM>` row starts at zero.
+
+    The weights that are not copied but drawn (w_num, w_reg) come from `generator`, in that order, in float32.
+    """
     state = source.model.state_dict()
     embed_key = "embed_tokens.weight"
     if model.config.vocab_size != base_vocab:
@@ -808,4 +836,11 @@ def _copy_qwen_weights(source: Qwen2ForCausalLM, model: CausalQwenForCausalLM, b
     model.action.cls_head.bias.zero_()
     if model.numeric_embedding is not None:
         std = source.model.embed_tokens.weight.float().std().item()
-        model.numeric_embedding.w_num.normal_(0.0, std)
+        model.numeric_embedding.w_num.copy_(_normal(model.numeric_embedding.w_num.shape, std, generator))
+    if model.action.reg_head is not None:
+        weight = model.action.reg_head.weight
+        weight.copy_(_normal(weight.shape, model.config.initializer_range, generator))
+
+
+def _normal(shape: torch.Size, std: float, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=generator, dtype=torch.float32) * std

@@ -81,6 +81,7 @@ def main() -> None:
         per_device_eval_batch_size=args.batch_size, seed=args.seed, logging_steps=max(1, args.max_steps // 20),
         eval_strategy="steps", eval_steps=max(1, args.max_steps // 4), save_strategy="no", report_to="none",
         learning_rate=args.lr, weight_decay=0.0, lr_scheduler_type="linear", warmup_steps=0,
+        dataloader_pin_memory=torch.cuda.is_available(),  # pinning without an accelerator only warns
     )
     trainer = CausalQwenTrainer(model=model, args=training_args, train_dataset=features["train"],
                                 eval_dataset=features["validation"], data_collator=collator)

@@ -2,6 +2,7 @@
 
 import math
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -498,3 +499,56 @@ def test_real_qwen25_num_row_from_digits(qwen25_dir):
     got = out.loc_S[0, num_pos - 1]
     assert got[151665].item() == pytest.approx(qwen_logits[digit_ids].mean().item(), abs=1e-4)
     assert (got[:151665] - qwen_logits[:151665]).abs().max().item() <= 1e-4
+
+
+def assert_same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    different = [k for k in sa if not torch.equal(sa[k], sb[k])]
+    assert not different, different
+
+
+def test_conversion_is_deterministic_and_leaves_the_global_rng_alone(tiny_qwen, tmp_path):
+    torch.manual_seed(1)
+    first = build(tiny_qwen)
+    torch.manual_seed(2)
+    state = torch.get_rng_state()
+    second = build(tiny_qwen)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert_same_weights(first, second)
+    assert first.config.conversion_seed == second.config.conversion_seed == 0
+
+    # The same checkpoint through a folder converts to the same model (the folder has no tokenizer: give the id).
+    tiny_qwen.save_pretrained(tmp_path / "qwen")
+    state = torch.get_rng_state()
+    from_folder = CausalQwenForCausalLM.from_qwen(tmp_path / "qwen", tokenizer=SimpleNamespace(num_token_id=NUM))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert_same_weights(first, from_folder)
+
+
+def test_conversion_seed_changes_only_the_drawn_weights(tiny_qwen, tmp_path):
+    base, other = build(tiny_qwen), build(tiny_qwen, seed=7)
+    sa, sb = base.state_dict(), other.state_dict()
+    assert {k for k in sa if not torch.equal(sa[k], sb[k])} == {"numeric_embedding.w_num", "action.reg_head.weight"}
+    assert other.config.conversion_seed == 7
+    assert_same_weights(other, build(tiny_qwen, seed=7))
+    # w_reg: small normal draws with Qwen2's initializer_range, b_reg = 0 (DESIGN.md §3.4).
+    std = tiny_qwen.config.initializer_range
+    assert 0.5 * std < other.action.reg_head.weight.std().item() < 2.0 * std
+    assert other.action.reg_head.bias.abs().max().item() == 0.0
+
+    other.save_pretrained(tmp_path / "cq")
+    assert CausalQwenConfig.from_pretrained(tmp_path / "cq").conversion_seed == 7
+    assert "| `conversion_seed` | `7` |" in (tmp_path / "cq" / "README.md").read_text()
+    assert CausalQwenConfig(**tiny_qwen2_config().to_dict() | {"num_token_id": NUM}).conversion_seed is None
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 1.5, True, "0"])
+def test_conversion_seed_must_be_a_non_negative_int(tiny_qwen, seed):
+    with pytest.raises(ValueError, match="seed"):
+        build(tiny_qwen, seed=seed)
+
+
+def test_conversion_seed_is_not_a_config_override(tiny_qwen):
+    with pytest.raises(ValueError, match="seed="):
+        build(tiny_qwen, conversion_seed=3)
