@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .cauchy import symlog
+from .loss import shift_targets, transform_values
 
 __all__ = ["ValueHeadFit", "fit_value_head", "ridge_readout", "value_head_rows"]
 
@@ -59,29 +59,23 @@ def value_head_rows(
     ys: list[torch.Tensor] = []
     count = 0
     for batch in batches:
-        labels = batch["labels"].to(device)
-        targets = torch.full_like(labels, -100)
-        targets[:, :-1] = labels[:, 1:]
-        where = targets == num_id
+        values = batch.get("numeric_labels")
+        targets, next_values = shift_targets(batch["labels"], values if values is not None else batch["numeric_values"])
+        where = targets == num_id  # [B, S − 1]: position i predicts label i + 1
         if not bool(where.any()):
             continue
-        values = batch.get("numeric_labels")
-        if values is None:
-            values = batch["numeric_values"]
-        shifted = torch.zeros_like(values, dtype=torch.float64, device=device)
-        shifted[:, :-1] = values[:, 1:].to(device=device, dtype=torch.float64)
         inputs = {k: batch[k].to(device) for k in ("input_ids", "numeric_values", "attention_mask", "position_ids")
                   if batch.get(k) is not None}
         out = model(**inputs, logits_to_keep=0, output_distributions=False)
-        xs.append(out.loc_U[where].double().cpu())
-        ys.append(shifted[where].cpu())
+        xs.append(out.loc_U[:, :-1][where.to(device)].double().cpu())
+        ys.append(next_values[where].double().cpu())
         count += int(where.sum())
         if count >= max_positions:
             break
     if not xs:
         raise ValueError("batches hold no position whose label is <NUM>: there is nothing to fit the value head on")
     x, y = torch.cat(xs)[:max_positions], torch.cat(ys)[:max_positions]
-    return x, (symlog(y) if model.config.value_transform == "symlog" else y)
+    return x, transform_values(y, model.config.value_transform)
 
 
 def ridge_readout(

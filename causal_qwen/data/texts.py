@@ -33,13 +33,18 @@ def read_examples(path: str | Path, text_column: str = "text", prompt_column: st
     if rows and isinstance(rows[0], dict) and prompt_column in rows[0] and completion_column in rows[0]:
         return [{"prompt": _column(row, prompt_column, path, i), "completion": _column(row, completion_column, path, i)}
                 for i, row in enumerate(rows)]
-    return [row if isinstance(row, str) else _column(row, text_column, path, i) for i, row in enumerate(rows)]
+    return _texts(rows, text_column, path)
 
 
 def read_texts(path: str | Path, text_column: str = "text") -> list[str]:
     """Texts from a `.jsonl`, `.csv` or `.txt` file (see [`read_examples`] for prompt/completion data)."""
     path, rows = _read_rows(path)
-    return [row if isinstance(row, str) else _column(row, text_column, path, i) for i, row in enumerate(rows)]
+    return _texts(rows, text_column, path)
+
+
+def _texts(rows: list, column: str, path: Path) -> list[str]:
+    """Lines of a `.txt` file as they are; the `column` of each row of a `.jsonl` / `.csv` file."""
+    return [row if isinstance(row, str) else _column(row, column, path, i) for i, row in enumerate(rows)]
 
 
 def _read_rows(path: str | Path) -> tuple[Path, list]:
