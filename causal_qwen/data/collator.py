@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..loss import IGNORE_INDEX
+from ..number_splicing import SIDES, pad_sequence, padded_length
 
 __all__ = ["CausalQwenDataCollator"]
 
@@ -36,7 +37,7 @@ class CausalQwenDataCollator:
     pad_to_multiple_of: int | None = None
 
     def __post_init__(self) -> None:
-        if self.padding_side not in ("right", "left"):
+        if self.padding_side not in SIDES:
             raise ValueError(f"padding_side must be 'right' or 'left', got {self.padding_side!r}")
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
             raise ValueError(f"pad_to_multiple_of must be a positive integer, got {self.pad_to_multiple_of}")
@@ -54,9 +55,7 @@ class CausalQwenDataCollator:
         if not features:
             raise ValueError("features must hold at least one example")
         ids = [_as_list(f["input_ids"], "input_ids") for f in features]
-        length = max(len(x) for x in ids)
-        if self.pad_to_multiple_of:
-            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        length = padded_length(max(len(x) for x in ids), self.pad_to_multiple_of)
         batch: dict[str, list] = {k: [] for k in ("input_ids", "attention_mask", "labels", "numeric_values",
                                                   "numeric_labels")}
         for feature, row in zip(features, ids, strict=True):
@@ -73,11 +72,12 @@ class CausalQwenDataCollator:
             if len(completion) != n:
                 raise ValueError(f"completion_mask has length {len(completion)} but input_ids has {n}")
             labels = [lab if m and c else IGNORE_INDEX for lab, m, c in zip(labels, mask, completion, strict=True)]
-            batch["input_ids"].append(self._pad(row, length, self.pad_token_id))
-            batch["attention_mask"].append(self._pad(mask, length, 0))
-            batch["labels"].append(self._pad(labels, length, IGNORE_INDEX))
-            batch["numeric_values"].append(self._pad(values, length, 0.0))
-            batch["numeric_labels"].append(self._pad(numeric_labels, length, 0.0))
+            side = self.padding_side
+            batch["input_ids"].append(pad_sequence(row, length, self.pad_token_id, side))
+            batch["attention_mask"].append(pad_sequence(mask, length, 0, side))
+            batch["labels"].append(pad_sequence(labels, length, IGNORE_INDEX, side))
+            batch["numeric_values"].append(pad_sequence(values, length, 0.0, side))
+            batch["numeric_labels"].append(pad_sequence(numeric_labels, length, 0.0, side))
         return {
             "input_ids": torch.tensor(batch["input_ids"], dtype=torch.long),
             "attention_mask": torch.tensor(batch["attention_mask"], dtype=torch.long),
@@ -85,10 +85,6 @@ class CausalQwenDataCollator:
             "numeric_values": torch.tensor(batch["numeric_values"], dtype=torch.float64),
             "numeric_labels": torch.tensor(batch["numeric_labels"], dtype=torch.float64),
         }
-
-    def _pad(self, seq: list, length: int, value) -> list:
-        padding = [value] * (length - len(seq))
-        return padding + seq if self.padding_side == "left" else seq + padding
 
 
 def _as_list(x, name: str) -> list:
