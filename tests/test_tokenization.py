@@ -242,6 +242,20 @@ def test_text_only_mode(text_tok, base):
     assert text_tok.decode([20, QWEN25_NUM_ID], numeric_values=[0.0, 1.5]) == "51.5"
 
 
+def test_text_only_tokenize_is_qwen2s(text_tok, base):
+    for text in ["价格是99.9元", "<|im_start|>user 3 apples", ""]:
+        assert text_tok.tokenize(text) == base.tokenize(text)
+    assert text_tok.tokenize("a 1", pair="b 2", add_special_tokens=True) == base.tokenize(
+        "a 1", pair="b 2", add_special_tokens=True
+    )
+
+
+def test_assistant_mask_needs_the_text_only_tokenizer(tok):
+    messages = [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]
+    with pytest.raises(NotImplementedError, match="return_assistant_tokens_mask"):
+        tok.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Padding, truncation, tensors
 # ------------------------------------------------------------------------------------------------------------------
@@ -309,6 +323,8 @@ def test_pad_as_collate_function(tok):
         tok.pad([{"input_ids": [1, 2, 3], "numeric_values": [0.0, 1.5]}])
     with pytest.raises(TypeError, match="encoded_inputs"):
         tok.pad("not an encoding")
+    with pytest.raises(ValueError, match="rows"):
+        tok.pad({"input_ids": [[1], [2]], "numeric_values": [[0.0]]})
 
 
 def test_unsupported_options_raise(tok):
