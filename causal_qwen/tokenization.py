@@ -162,6 +162,7 @@ class CausalQwenTokenizer(Qwen2Tokenizer):
 
     def _reject_unsupported(self, **requested: bool) -> None:
         """Refuse the options that need character offsets or a second text, which numbers as `<NUM>` do not keep."""
+        # The text-only tokenizer is Qwen2's and has them all.
         if not self.use_numeric:
             return
         for name, is_requested in requested.items():
