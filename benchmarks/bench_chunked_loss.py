@@ -1,7 +1,8 @@
 """Peak memory and time of the classification head + OvR loss, forward and backward: chunked against straightforward.
 
 Both paths are the model's own: *straightforward* is `CausalQwenAction` (loc_S, scale_S as `[1, N, V]` tensors)
-followed by `loss.causal_qwen_loss`; *chunked* is `chunked_loss.chunked_causal_qwen_loss` on the same module.
+followed by `loss.causal_qwen_loss`; *chunked* is the fused `loss.fused_causal_qwen_loss`: the heads-and-loss step
+`CausalQwenAction.forward` with `output_distributions` on and off, as the model's forward calls it.
 The text-only configuration (no regression head) isolates the classification head, which is where the
 `[N, V]` tensors are.
 Inputs are loc_U and scale_U of shape `[1, N + 1, C]` (N positions with a label after the shift) and the module's
@@ -37,8 +38,6 @@ import torch
 from memory import peak_kb, reset_peak, resident_kb
 
 from causal_qwen import CausalQwenConfig
-from causal_qwen.chunked_loss import chunked_causal_qwen_loss
-from causal_qwen.loss import causal_qwen_loss
 from causal_qwen.modeling import CausalQwenAction
 
 QWEN25_VOCAB, QWEN25_HIDDEN = 151_936, 896
@@ -72,11 +71,9 @@ def build_inputs(positions: int, hidden: int, vocab: int, seed: int = 1):
 def head_and_loss(path: str, action: CausalQwenAction, loc_u, scale_u, labels, budget: int | None) -> torch.Tensor:
     """One forward + backward of the head and its classification loss; returns the loss."""
     if path == "straightforward":
-        loss = causal_qwen_loss(*action(loc_u, scale_u), labels, None, threshold=action.threshold,
-                                num_token_id=None).loss
+        loss = action(loc_u, scale_u, labels, output_distributions=True).loss
     else:
-        loss = chunked_causal_qwen_loss(loc_u, scale_u, labels, None, action=action, num_token_id=None,
-                                        memory_budget=budget).loss
+        loss = action(loc_u, scale_u, labels, output_distributions=False, memory_budget=budget).loss
     loss.backward()
     return loss.detach()
 

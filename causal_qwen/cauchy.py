@@ -6,7 +6,7 @@ That is what lets the model push a distribution through its heads exactly, witho
 
 Functions here take and return plain tensors that broadcast against each other; `loc` and `scale`
 always have the same shape. Formulas are written in the forms that stay accurate in fp32 over a
-152k-class vocabulary and for values up to 1e30 (see DESIGN.md §1).
+152k-class vocabulary and for values up to 1e30 (see docs/design.md §1).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ __all__ = [
     "nll",
     "quantile",
     "sample",
+    "from_uniform",
     "kl_divergence",
     "symlog",
     "symexp",
@@ -112,7 +113,14 @@ def sample(
     loc: torch.Tensor, scale: torch.Tensor, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     """A reparameterised draw loc + scale·tan(π(ε − 1/2)) with ε ~ U(0, 1), differentiable in loc and scale."""
-    eps = uniform(loc.shape, loc.device, generator)
+    return from_uniform(loc, scale, uniform(loc.shape, loc.device, generator))
+
+
+def from_uniform(loc: torch.Tensor, scale: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """The draw loc + scale·tan(π(ε − 1/2)) of Cauchy(loc, scale) for given ε ~ U(0, 1) (broadcasting).
+
+    The tangent is taken in the dtype of ε (fp32 from `uniform`), then the draw in that of `loc`.
+    """
     return loc + scale * standard_from_uniform(eps).to(loc.dtype)
 
 

@@ -1,13 +1,13 @@
 """The classification head and its One-vs-Rest loss, fused and tiled so that no `[N, V]` tensor ever exists.
 
-The straightforward path (`CausalQwenAction` then `loss.causal_qwen_loss`) builds loc_S, scale_S, log P,
+The straightforward path (`CausalQwenAction.classify` then `loss.causal_qwen_loss`) builds loc_S, scale_S, log P,
 log(1 − P) and their gradients over the whole vocabulary: at N = 4096 positions and V = 151,936 classes
 each of them is 2.5 GB in fp32. Here the head and the loss run together over tiles of
 `[rows, vocab_chunk]` (a chunk of positions × a block of classes) inside one `torch.autograd.Function`:
 
     d = loc_U @ W_cls[k].T + (b_cls[k] − C_k)           loc_S − C
     s = max(scale_U' @ |W_cls[k]|.T, scale_min)         scale_S
-    −log(1 − P) for every class, −log P for the target  atan2 forms of DESIGN.md §1
+    −log(1 − P) for every class, −log P for the target  atan2 forms of docs/design.md §1
 
 and, in the same pass, the gradients of that loss with respect to every input. Only the loss and the
 gradients (`[N, C]`, `[V, C]`, `[V]`) are kept; `backward` merely scales them, in place, by the incoming gradient
@@ -31,22 +31,20 @@ accumulated in fp32 and returned in the dtype of each input. On the CPU, bf16 in
 the tensor cores with fp32 outputs (`out_dtype`): the two forward products are then as exact as fp32 ones (a
 product of two half-precision numbers is exact in fp32, and the sums are fp32), and the four gradient products
 take the fp32 tile gradients rounded to the inputs' dtype, as autograd's own half-precision backward would.
-The function is differentiable once (no double backward).
+The function is differentiable once (no double backward). The derivation of the loss terms and of every gradient
+is in docs/design.md §4.1. Read top to bottom: the public functions, the autograd function, the loop over tiles,
+one tile, then the buffers.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from .cauchy import ovr_log_probs, ovr_probability
-from .loss import IGNORE_INDEX, CausalLoss, combine_losses, regression_nll, shift_targets
-
-if TYPE_CHECKING:
-    from .modeling import CausalQwenAction
+from .cauchy import linear, ovr_log_probs, ovr_probability
+from .labels import IGNORE_INDEX
 
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",
@@ -54,7 +52,7 @@ __all__ = [
     "choose_chunk_sizes",
     "chunked_ovr_loss",
     "ovr_class_probability",
-    "chunked_causal_qwen_loss",
+    "class_threshold",
 ]
 
 DEFAULT_MEMORY_BUDGET = 256 * 2**20
@@ -69,6 +67,96 @@ _MIN_VOCAB_CHUNK = 2048
 
 _PI = math.pi
 _LOG_PI = math.log(math.pi)
+
+
+def chunked_ovr_loss(
+    loc_u: torch.Tensor,
+    scale_u_noisy: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    threshold: torch.Tensor | float,
+    targets: torch.Tensor,
+    *,
+    scale_min: float,
+    chunk_size: int | None = None,
+    vocab_chunk_size: int | None = None,
+    memory_budget: int | None = None,
+    num_token_id: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """OvR classification loss of the Cauchy head, summed over labelled positions, without any `[N, V]` tensor.
+
+    Equals `loss.ovr_classification_loss(loc_S, scale_S, ...)` summed over the positions whose target is not
+    `IGNORE_INDEX`, with `loc_S = loc_u @ weight.T + bias` and `scale_S = max(scale_u_noisy @ |weight|.T,
+    scale_min)`, i.e. what `CausalQwenAction.classify` computes. Targets are used as given (no shift).
+
+    Args:
+        loc_u: `[..., C]` loc_U.
+        scale_u_noisy: `[..., C]` scale_U' = scale_U + |b_noise| (`CausalQwenAction.noisy_scale`), not floored.
+        weight: `[V, C]` W_cls.
+        bias: `[V]` b_cls, or None.
+        threshold: `[V]`, `[]` or a float: the OvR threshold C (may require a gradient).
+        targets: `[...]` class ids, `IGNORE_INDEX` (−100) where no loss is wanted.
+        scale_min: floor on scale_S; no gradient flows where it binds, as with `torch.clamp`.
+        chunk_size: positions per tile (default: chosen from `memory_budget`).
+        vocab_chunk_size: classes per tile (default: chosen from `memory_budget`).
+        memory_budget: bytes of scratch space for a tile (default `DEFAULT_MEMORY_BUDGET`).
+        num_token_id: when given, also return P(S > C) of this class at every position.
+
+    Returns:
+        `(loss_sum, valid_count, p_num)`: the fp32 scalar sum of per-position losses, the int64 scalar count of
+        labelled positions, and `[...]` fp32 probabilities of class `num_token_id` (differentiable with plain
+        autograd; None when `num_token_id` is None). The caller divides `loss_sum` by `valid_count` (or by
+        `num_items_in_batch`).
+    """
+    features = loc_u.shape[-1]
+    vocab = weight.shape[0]
+    _check_shapes(loc_u, scale_u_noisy, weight, bias, targets)
+    threshold = _threshold_tensor(threshold, vocab, weight.device)
+    flat_loc = loc_u.reshape(-1, features)
+    flat_scale = scale_u_noisy.reshape(-1, features)
+    flat_targets = targets.reshape(-1)
+
+    valid_count = (flat_targets != IGNORE_INDEX).sum()
+    rows, classes = choose_chunk_sizes(int(valid_count), vocab, features, memory_budget=memory_budget,
+                                       chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
+    differentiable = (flat_loc, flat_scale, weight, bias, threshold)
+    compute_grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
+    loss_sum = ChunkedOvRHeadLoss.apply(flat_loc, flat_scale, weight, bias, threshold, flat_targets, float(scale_min),
+                                        rows, classes, compute_grads)
+
+    p_num = None
+    if num_token_id is not None:
+        p_num = ovr_class_probability(loc_u, scale_u_noisy, weight, bias, threshold, num_token_id,
+                                      scale_min=scale_min)
+    return loss_sum, valid_count, p_num
+
+
+def ovr_class_probability(
+    loc_u: torch.Tensor,
+    scale_u_noisy: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    threshold: torch.Tensor | float,
+    class_id: int,
+    *,
+    scale_min: float,
+) -> torch.Tensor:
+    """P(S_k > C_k) of the single class `k = class_id`, from its row of the head: `[..., C]` → `[...]` fp32.
+
+    Computed as the straightforward path does (head in the input dtype, probability in fp32), so that the
+    regression gate sees the same value; gradients flow with plain autograd.
+    """
+    row = slice(class_id, class_id + 1)
+    loc, scale = linear(loc_u, scale_u_noisy, weight[row], None if bias is None else bias[row])
+    scale = scale.squeeze(-1).clamp(min=scale_min)
+    return ovr_probability(loc.squeeze(-1).float(), scale.float(), class_threshold(threshold, class_id))
+
+
+def class_threshold(threshold: torch.Tensor | float, class_id: int) -> torch.Tensor | float:
+    """C of one class, from a per-class `[V]` threshold or a shared scalar one, in fp32."""
+    if isinstance(threshold, torch.Tensor) and threshold.dim() > 0:
+        threshold = threshold[class_id]
+    return threshold.float() if isinstance(threshold, torch.Tensor) else threshold
 
 
 def choose_chunk_sizes(
@@ -124,109 +212,6 @@ def choose_chunk_sizes(
             classes = floor
             rows = rows_for(classes)
     return min(rows, num_rows), min(classes, vocab_size)
-
-
-@dataclass
-class _Scratch:
-    """Flat buffers reused by every tile, so that a tile allocates nothing large.
-
-    Tile buffers hold `rows × vocab_chunk` elements, weight buffers `vocab_chunk × C`; a smaller last tile
-    uses a prefix of each (`_view`).
-    """
-
-    shifted: torch.Tensor  # d = loc_S − C, then ∂L/∂scale_S
-    scale: torch.Tensor  # scale_S, then ∂L/∂loc_S
-    angle: torch.Tensor  # t = atan2(scale_S, |d|), the smaller of π·P and π·(1 − P)
-    work: torch.Tensor  # log(1 − P), then 1 / ((s² + d²)·π(1 − P))
-    other: torch.Tensor  # log(t/π), then π·(1 − P)
-    clamped: torch.Tensor  # bool: scale_S was floored (no gradient flows to it)
-    above: torch.Tensor  # bool: d > 0, i.e. P > 1/2
-    weight: torch.Tensor | None  # fp32 copy of a block of W when W is not fp32 (and products are fp32)
-    abs_weight: torch.Tensor  # |W| of the block, then sign(W); in W's dtype for half-precision products
-    weight_grad_loc: torch.Tensor | None  # Σ ∂L/∂loc_S.T @ loc_U for the block, when W is not fp32
-    weight_grad_scale: torch.Tensor | None  # Σ ∂L/∂scale_S.T @ scale_U' for the block
-
-    @classmethod
-    def allocate(
-        cls, rows: int, classes: int, features: int, *, device: torch.device, weight_dtype: torch.dtype,
-        half_products: bool, weight_grad: bool
-    ) -> _Scratch:
-        def buffer(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.empty(numel, dtype=dtype, device=device)
-
-        tile, block = rows * classes, classes * features
-        not_fp32 = weight_dtype != torch.float32
-        return cls(
-            shifted=buffer(tile), scale=buffer(tile), angle=buffer(tile), work=buffer(tile), other=buffer(tile),
-            clamped=buffer(tile, torch.bool), above=buffer(tile, torch.bool),
-            weight=buffer(block) if not_fp32 and not half_products else None,
-            abs_weight=buffer(block, weight_dtype if half_products else torch.float32),
-            weight_grad_loc=buffer(block) if weight_grad and not_fp32 else None,
-            weight_grad_scale=buffer(block) if weight_grad else None,
-        )
-
-
-def _view(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    return flat[: rows * cols].view(rows, cols)
-
-
-@dataclass
-class _Gradients:
-    """Gradients of the inputs that need one (None for the others), filled tile by tile."""
-
-    loc: torch.Tensor | None  # [n, C] fp32, rows of the labelled positions
-    scale: torch.Tensor | None  # [n, C] fp32
-    weight: torch.Tensor | None  # [V, C] in the dtype of W, written block by block
-    class_sum: torch.Tensor | None  # [V]: Σ_n ∂L/∂loc_S, which is ∂L/∂b and −∂L/∂C
-
-
-def _tile_loss(
-    shifted: torch.Tensor, scale: torch.Tensor, scratch: _Scratch, rows: int, cols: int
-) -> torch.Tensor:
-    """Σ −log(1 − P) over the tile, every class taken as a negative; leaves log(1 − P) in `scratch.work`.
-
-    With t = atan2(s, |d|) (accurate as a small angle): where d > 0, π(1 − P) = t and log(1 − P) = log(t/π);
-    elsewhere πP = t and log(1 − P) = log1p(−t/π).
-    """
-    angle = _view(scratch.angle, rows, cols)
-    above = _view(scratch.above, rows, cols)
-    log_q = _view(scratch.work, rows, cols)
-    log_small = _view(scratch.other, rows, cols)
-    torch.abs(shifted, out=angle)
-    torch.atan2(scale, angle, out=angle)
-    torch.gt(shifted, 0, out=above)
-    torch.mul(angle, -1.0 / _PI, out=log_q).log1p_()
-    torch.log(angle, out=log_small).sub_(_LOG_PI)
-    torch.where(above, log_small, log_q, out=log_q)
-    # An fp32 sum is accurate enough inside a tile (pairwise) and much faster than one in fp64 on CPU.
-    return -log_q.sum().double()
-
-
-def _tile_gradients(shifted: torch.Tensor, scale: torch.Tensor, scratch: _Scratch, rows: int, cols: int) -> None:
-    """Turn `shifted` into ∂L/∂scale_S and `scale` into ∂L/∂loc_S of L = −log(1 − P), in place.
-
-    With q = π(1 − P) = atan2(s, d): ∂L/∂d = s / ((s² + d²)·q) and ∂L/∂s = −d / ((s² + d²)·q).
-    """
-    angle = _view(scratch.angle, rows, cols)
-    above = _view(scratch.above, rows, cols)
-    inv = _view(scratch.work, rows, cols)
-    q = _view(scratch.other, rows, cols)
-    # q = t where d > 0, else π − t (no cancellation: π − t ≥ π/2 there).
-    torch.mul(angle, -1.0, out=q).add_(_PI)
-    torch.where(above, angle, q, out=q)
-    torch.mul(scale, scale, out=inv).addcmul_(shifted, shifted).mul_(q).reciprocal_()
-    shifted.mul_(inv).neg_()
-    scale.mul_(inv)
-
-
-def _positive_terms(shifted: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For the target classes (`[m]` each): log P, ∂(−log P)/∂loc_S and ∂(−log P)/∂scale_S.
-
-    With p = πP = atan2(s, −d): ∂(−log P)/∂d = −s / ((s² + d²)·p), ∂(−log P)/∂s = d / ((s² + d²)·p).
-    """
-    log_p, _ = ovr_log_probs(shifted, scale, 0.0)
-    inv = 1.0 / ((scale * scale + shifted * shifted) * torch.atan2(scale, -shifted))
-    return log_p, -scale * inv, shifted * inv
 
 
 class ChunkedOvRHeadLoss(torch.autograd.Function):
@@ -344,57 +329,6 @@ def _run_tiles(
     return loss, grads
 
 
-@dataclass
-class _WeightBlock:
-    """Rows k0:k1 of W in fp32, their absolute values, and their weight-gradient accumulators."""
-
-    k0: int
-    k1: int
-    weight: torch.Tensor  # [cols, C] fp32, or W's own half-precision rows for half-precision products
-    abs_weight: torch.Tensor  # [cols, C]
-    grad_loc: torch.Tensor | None  # Σ ∂L/∂loc_S.T @ loc_U in fp32 (a view of the final gradient when W is fp32)
-    grad_scale: torch.Tensor | None  # Σ ∂L/∂scale_S.T @ scale_U'
-    copied: bool  # grad_loc is a scratch buffer, copied into the final gradient at the end of the block
-
-    @classmethod
-    def prepare(cls, weight: torch.Tensor, k0: int, k1: int, scratch: _Scratch, grads: _Gradients) -> _WeightBlock:
-        cols, features = k1 - k0, weight.shape[1]
-        block = weight[k0:k1]
-        if scratch.weight is not None:
-            block = _view(scratch.weight, cols, features).copy_(block)
-        abs_block = torch.abs(block, out=_view(scratch.abs_weight, cols, features))
-        copied = scratch.weight_grad_loc is not None
-        grad_loc = grad_scale = None
-        if grads.weight is not None:
-            grad_loc = _view(scratch.weight_grad_loc, cols, features) if copied else grads.weight[k0:k1]
-            grad_scale = _view(scratch.weight_grad_scale, cols, features)
-        return cls(k0, k1, block, abs_block, grad_loc, grad_scale, copied)
-
-    def finish_weight_gradient(self, grads: _Gradients) -> None:
-        """∂L/∂W = Σ g_loc.T @ loc_U + sign(W) ⊙ Σ g_scale.T @ scale_U' (sign(0) = 0, as `abs` backward)."""
-        if self.grad_loc is None:
-            return
-        sign = torch.sign(self.weight, out=self.abs_weight)  # |W| of this block is no longer needed
-        self.grad_loc.addcmul_(self.grad_scale, sign)
-        if self.copied:
-            grads.weight[self.k0 : self.k1].copy_(self.grad_loc)
-
-
-def _half_products(weight: torch.Tensor, loc_rows: torch.Tensor, scale_rows: torch.Tensor) -> bool:
-    """Run the products on CUDA tensor cores with fp32 outputs: half-precision inputs on a GPU."""
-    half = (torch.bfloat16, torch.float16)
-    return weight.is_cuda and weight.dtype in half and loc_rows.dtype == scale_rows.dtype == weight.dtype
-
-
-def _addmm(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out = acc + a @ b in fp32 (acc None: a @ b; acc may be `out` itself); half-precision a, b give fp32 too."""
-    if a.dtype == torch.float32:
-        return torch.mm(a, b, out=out) if acc is None else torch.addmm(acc, a, b, out=out)
-    if acc is None:
-        return torch.mm(a, b, out_dtype=torch.float32, out=out)
-    return torch.addmm(acc, a, b, out_dtype=torch.float32, out=out)
-
-
 def _tile(
     x_loc: torch.Tensor,
     x_scale: torch.Tensor,
@@ -421,11 +355,62 @@ def _tile(
     log_p, grad_loc_pos, grad_scale_pos = _positive_terms(shifted[hit], scale[hit])
     loss = loss - (log_p - _view(scratch.work, m, cols)[hit]).sum().double()
     if with_grads:
+        # From here the two tile buffers hold gradients (no third [m, cols] buffer is needed for them).
         _tile_gradients(shifted, scale, scratch, m, cols)
-        scale.index_put_(hit, grad_loc_pos)
-        shifted.index_put_(hit, grad_scale_pos)
-        shifted.masked_fill_(_view(scratch.clamped, m, cols), 0.0)
+        grad_loc_s, grad_scale_s = scale, shifted
+        grad_loc_s.index_put_(hit, grad_loc_pos)
+        grad_scale_s.index_put_(hit, grad_scale_pos)
+        grad_scale_s.masked_fill_(_view(scratch.clamped, m, cols), 0.0)
     return loss
+
+
+def _tile_loss(
+    shifted: torch.Tensor, scale: torch.Tensor, scratch: _Scratch, rows: int, cols: int
+) -> torch.Tensor:
+    """Σ −log(1 − P) over the tile, every class taken as a negative; leaves log(1 − P) in `scratch.work`.
+
+    With t = atan2(s, |d|) (accurate as a small angle): where d > 0, π(1 − P) = t and log(1 − P) = log(t/π);
+    elsewhere πP = t and log(1 − P) = log1p(−t/π).
+    """
+    angle = _view(scratch.angle, rows, cols)
+    above = _view(scratch.above, rows, cols)
+    log_q = _view(scratch.work, rows, cols)
+    log_small = _view(scratch.other, rows, cols)
+    torch.abs(shifted, out=angle)
+    torch.atan2(scale, angle, out=angle)
+    torch.gt(shifted, 0, out=above)
+    torch.mul(angle, -1.0 / _PI, out=log_q).log1p_()
+    torch.log(angle, out=log_small).sub_(_LOG_PI)
+    torch.where(above, log_small, log_q, out=log_q)
+    # An fp32 sum is accurate enough inside a tile (pairwise) and much faster than one in fp64 on CPU.
+    return -log_q.sum().double()
+
+
+def _tile_gradients(shifted: torch.Tensor, scale: torch.Tensor, scratch: _Scratch, rows: int, cols: int) -> None:
+    """Turn `shifted` into ∂L/∂scale_S and `scale` into ∂L/∂loc_S of L = −log(1 − P), in place.
+
+    With q = π(1 − P) = atan2(s, d): ∂L/∂d = s / ((s² + d²)·q) and ∂L/∂s = −d / ((s² + d²)·q).
+    """
+    angle = _view(scratch.angle, rows, cols)
+    above = _view(scratch.above, rows, cols)
+    inv = _view(scratch.work, rows, cols)
+    q = _view(scratch.other, rows, cols)
+    # q = t where d > 0, else π − t (no cancellation: π − t ≥ π/2 there).
+    torch.mul(angle, -1.0, out=q).add_(_PI)
+    torch.where(above, angle, q, out=q)
+    torch.mul(scale, scale, out=inv).addcmul_(shifted, shifted).mul_(q).reciprocal_()
+    shifted.mul_(inv).neg_()
+    scale.mul_(inv)
+
+
+def _positive_terms(shifted: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the target classes (`[m]` each): log P, ∂(−log P)/∂loc_S and ∂(−log P)/∂scale_S.
+
+    With p = πP = atan2(s, −d): ∂(−log P)/∂d = −s / ((s² + d²)·p), ∂(−log P)/∂s = d / ((s² + d²)·p).
+    """
+    log_p, _ = ovr_log_probs(shifted, scale, 0.0)
+    inv = 1.0 / ((scale * scale + shifted * shifted) * torch.atan2(scale, -shifted))
+    return log_p, -scale * inv, shifted * inv
 
 
 def _accumulate(
@@ -494,152 +479,109 @@ def _finish_gradients(
             grad_threshold]
 
 
-def chunked_ovr_loss(
-    loc_u: torch.Tensor,
-    scale_u_noisy: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    threshold: torch.Tensor | float,
-    targets: torch.Tensor,
-    *,
-    scale_min: float,
-    chunk_size: int | None = None,
-    vocab_chunk_size: int | None = None,
-    memory_budget: int | None = None,
-    num_token_id: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """OvR classification loss of the Cauchy head, summed over labelled positions, without any `[N, V]` tensor.
+@dataclass
+class _WeightBlock:
+    """Rows k0:k1 of W in fp32, their absolute values, and their weight-gradient accumulators."""
 
-    Equals `loss.ovr_classification_loss(loc_S, scale_S, ...)` summed over the positions whose target is not
-    `IGNORE_INDEX`, with `loc_S = loc_u @ weight.T + bias` and `scale_S = max(scale_u_noisy @ |weight|.T,
-    scale_min)`, i.e. what `CausalQwenAction.classify` computes. Targets are used as given (no shift).
+    k0: int
+    k1: int
+    weight: torch.Tensor  # [cols, C] fp32, or W's own half-precision rows for half-precision products
+    abs_weight: torch.Tensor  # [cols, C]
+    grad_loc: torch.Tensor | None  # Σ ∂L/∂loc_S.T @ loc_U in fp32 (a view of the final gradient when W is fp32)
+    grad_scale: torch.Tensor | None  # Σ ∂L/∂scale_S.T @ scale_U'
+    copied: bool  # grad_loc is a scratch buffer, copied into the final gradient at the end of the block
 
-    Args:
-        loc_u: `[..., C]` loc_U.
-        scale_u_noisy: `[..., C]` scale_U' = scale_U + |b_noise| (`CausalQwenAction.noisy_scale`), not floored.
-        weight: `[V, C]` W_cls.
-        bias: `[V]` b_cls, or None.
-        threshold: `[V]`, `[]` or a float: the OvR threshold C (may require a gradient).
-        targets: `[...]` class ids, `IGNORE_INDEX` (−100) where no loss is wanted.
-        scale_min: floor on scale_S; no gradient flows where it binds, as with `torch.clamp`.
-        chunk_size: positions per tile (default: chosen from `memory_budget`).
-        vocab_chunk_size: classes per tile (default: chosen from `memory_budget`).
-        memory_budget: bytes of scratch space for a tile (default `DEFAULT_MEMORY_BUDGET`).
-        num_token_id: when given, also return P(S > C) of this class at every position.
+    @classmethod
+    def prepare(cls, weight: torch.Tensor, k0: int, k1: int, scratch: _Scratch, grads: _Gradients) -> _WeightBlock:
+        cols, features = k1 - k0, weight.shape[1]
+        block = weight[k0:k1]
+        if scratch.weight is not None:
+            block = _view(scratch.weight, cols, features).copy_(block)
+        abs_block = torch.abs(block, out=_view(scratch.abs_weight, cols, features))
+        copied = scratch.weight_grad_loc is not None
+        grad_loc = grad_scale = None
+        if grads.weight is not None:
+            grad_loc = _view(scratch.weight_grad_loc, cols, features) if copied else grads.weight[k0:k1]
+            grad_scale = _view(scratch.weight_grad_scale, cols, features)
+        return cls(k0, k1, block, abs_block, grad_loc, grad_scale, copied)
 
-    Returns:
-        `(loss_sum, valid_count, p_num)`: the fp32 scalar sum of per-position losses, the int64 scalar count of
-        labelled positions, and `[...]` fp32 probabilities of class `num_token_id` (differentiable with plain
-        autograd; None when `num_token_id` is None). The caller divides `loss_sum` by `valid_count` (or by
-        `num_items_in_batch`).
+    def finish_weight_gradient(self, grads: _Gradients) -> None:
+        """∂L/∂W = Σ g_loc.T @ loc_U + sign(W) ⊙ Σ g_scale.T @ scale_U' (sign(0) = 0, as `abs` backward)."""
+        if self.grad_loc is None:
+            return
+        sign = torch.sign(self.weight, out=self.abs_weight)  # |W| of this block is no longer needed
+        self.grad_loc.addcmul_(self.grad_scale, sign)
+        if self.copied:
+            grads.weight[self.k0 : self.k1].copy_(self.grad_loc)
+
+
+def _half_products(weight: torch.Tensor, loc_rows: torch.Tensor, scale_rows: torch.Tensor) -> bool:
+    """Run the products on CUDA tensor cores with fp32 outputs: half-precision inputs on a GPU."""
+    half = (torch.bfloat16, torch.float16)
+    return weight.is_cuda and weight.dtype in half and loc_rows.dtype == scale_rows.dtype == weight.dtype
+
+
+def _addmm(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = acc + a @ b in fp32 (acc None: a @ b; acc may be `out` itself); half-precision a, b give fp32 too."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b, out=out) if acc is None else torch.addmm(acc, a, b, out=out)
+    if acc is None:
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    return torch.addmm(acc, a, b, out_dtype=torch.float32, out=out)
+
+
+@dataclass
+class _Scratch:
+    """Flat buffers reused by every tile, so that a tile allocates nothing large.
+
+    Tile buffers hold `rows × vocab_chunk` elements, weight buffers `vocab_chunk × C`; a smaller last tile
+    uses a prefix of each (`_view`).
     """
-    features = loc_u.shape[-1]
-    vocab = weight.shape[0]
-    _check_shapes(loc_u, scale_u_noisy, weight, bias, targets)
-    threshold = _threshold_tensor(threshold, vocab, weight.device)
-    flat_loc = loc_u.reshape(-1, features)
-    flat_scale = scale_u_noisy.reshape(-1, features)
-    flat_targets = targets.reshape(-1)
 
-    valid_count = (flat_targets != IGNORE_INDEX).sum()
-    rows, classes = choose_chunk_sizes(int(valid_count), vocab, features, memory_budget=memory_budget,
-                                       chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
-    differentiable = (flat_loc, flat_scale, weight, bias, threshold)
-    compute_grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
-    loss_sum = ChunkedOvRHeadLoss.apply(flat_loc, flat_scale, weight, bias, threshold, flat_targets, float(scale_min),
-                                        rows, classes, compute_grads)
+    shifted: torch.Tensor  # d = loc_S − C, then ∂L/∂scale_S
+    scale: torch.Tensor  # scale_S, then ∂L/∂loc_S
+    angle: torch.Tensor  # t = atan2(scale_S, |d|), the smaller of π·P and π·(1 − P)
+    work: torch.Tensor  # log(1 − P), then 1 / ((s² + d²)·π(1 − P))
+    other: torch.Tensor  # log(t/π), then π·(1 − P)
+    clamped: torch.Tensor  # bool: scale_S was floored (no gradient flows to it)
+    above: torch.Tensor  # bool: d > 0, i.e. P > 1/2
+    weight: torch.Tensor | None  # fp32 copy of a block of W when W is not fp32 (and products are fp32)
+    abs_weight: torch.Tensor  # |W| of the block, then sign(W); in W's dtype for half-precision products
+    weight_grad_loc: torch.Tensor | None  # Σ ∂L/∂loc_S.T @ loc_U for the block, when W is not fp32
+    weight_grad_scale: torch.Tensor | None  # Σ ∂L/∂scale_S.T @ scale_U' for the block
 
-    p_num = None
-    if num_token_id is not None:
-        p_num = ovr_class_probability(loc_u, scale_u_noisy, weight, bias, threshold, num_token_id,
-                                      scale_min=scale_min)
-    return loss_sum, valid_count, p_num
+    @classmethod
+    def allocate(
+        cls, rows: int, classes: int, features: int, *, device: torch.device, weight_dtype: torch.dtype,
+        half_products: bool, weight_grad: bool
+    ) -> _Scratch:
+        def buffer(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.empty(numel, dtype=dtype, device=device)
 
-
-def ovr_class_probability(
-    loc_u: torch.Tensor,
-    scale_u_noisy: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    threshold: torch.Tensor | float,
-    class_id: int,
-    *,
-    scale_min: float,
-) -> torch.Tensor:
-    """P(S_k > C_k) of the single class `k = class_id`, from its row of the head: `[..., C]` → `[...]` fp32.
-
-    Computed as the straightforward path does (head in the input dtype, probability in fp32), so that the
-    regression gate sees the same value; gradients flow with plain autograd.
-    """
-    row = slice(class_id, class_id + 1)
-    row_bias = None if bias is None else bias[row]
-    loc = torch.nn.functional.linear(loc_u, weight[row], row_bias).squeeze(-1)
-    scale = torch.nn.functional.linear(scale_u_noisy, weight[row].abs()).squeeze(-1).clamp(min=scale_min)
-    if isinstance(threshold, torch.Tensor) and threshold.dim() > 0:
-        threshold = threshold[class_id]
-    if isinstance(threshold, torch.Tensor):
-        threshold = threshold.float()
-    return ovr_probability(loc.float(), scale.float(), threshold)
+        tile, block = rows * classes, classes * features
+        not_fp32 = weight_dtype != torch.float32
+        return cls(
+            shifted=buffer(tile), scale=buffer(tile), angle=buffer(tile), work=buffer(tile), other=buffer(tile),
+            clamped=buffer(tile, torch.bool), above=buffer(tile, torch.bool),
+            weight=buffer(block) if not_fp32 and not half_products else None,
+            abs_weight=buffer(block, weight_dtype if half_products else torch.float32),
+            weight_grad_loc=buffer(block) if weight_grad and not_fp32 else None,
+            weight_grad_scale=buffer(block) if weight_grad else None,
+        )
 
 
-def chunked_causal_qwen_loss(
-    loc_u: torch.Tensor,
-    scale_u: torch.Tensor,
-    labels: torch.Tensor,
-    numeric_labels: torch.Tensor | None,
-    *,
-    action: CausalQwenAction,
-    num_token_id: int | None,
-    gate_alpha: float = 0.0,
-    reg_loss_weight: float = 1.0,
-    detach_gate: bool = True,
-    value_transform: str = "identity",
-    num_items_in_batch: int | torch.Tensor | None = None,
-    chunk_size: int | None = None,
-    vocab_chunk_size: int | None = None,
-    memory_budget: int | None = None,
-) -> CausalLoss:
-    """`loss.causal_qwen_loss(*action(loc_u, scale_u), labels, ...)` without materialising the `[B, S, V]` head.
+def _view(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return flat[: rows * cols].view(rows, cols)
 
-    The classification part runs through `chunked_ovr_loss`; the gated regression part only needs the
-    `[B, S]` regression head and the `<NUM>` column of the classification head, computed directly.
 
-    Args:
-        loc_u, scale_u: `[B, S, C]` output of the abduction network (scale_U without the noise).
-        labels: `[B, S]` unshifted token ids, `IGNORE_INDEX` where no loss is wanted.
-        numeric_labels: `[B, S]` true values (read where the shifted label is `<NUM>`), or None.
-        action: the `CausalQwenAction` module (its `cls_head`, `reg_head`, `b_noise`, `threshold`, `scale_min`).
-        num_token_id: id of `<NUM>`; None turns regression off.
-        gate_alpha, reg_loss_weight, detach_gate, value_transform, num_items_in_batch: as in `causal_qwen_loss`.
-        chunk_size, vocab_chunk_size, memory_budget: tiling, as in `chunked_ovr_loss`.
+@dataclass
+class _Gradients:
+    """Gradients of the inputs that need one (None for the others), filled tile by tile."""
 
-    Returns:
-        `CausalLoss` with `loss = cls_loss + reg_loss_weight · reg_loss`, fp32 scalars.
-    """
-    # Position i predicts label i + 1: shift the labels left and mark the last position unlabelled, so that
-    # loc_u and scale_u are used whole (flattening them is then a view, not a copy).
-    shifted_labels, shifted_values = shift_targets(labels, numeric_labels)
-    targets = torch.nn.functional.pad(shifted_labels, (0, 1), value=IGNORE_INDEX)
-    scale_noisy = action.noisy_scale(scale_u)
-    weight, bias = action.cls_head.weight, action.cls_head.bias
-
-    loss_sum, valid_count, _ = chunked_ovr_loss(
-        loc_u, scale_noisy, weight, bias, action.threshold, targets, scale_min=action.scale_min,
-        chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size, memory_budget=memory_budget,
-    )
-    nll = p_num = None
-    if num_token_id is not None and action.reg_head is not None and shifted_values is not None:
-        num_mask = targets == num_token_id
-        values = torch.nn.functional.pad(shifted_values, (0, 1))[num_mask]
-        loc_rows, scale_rows = loc_u[num_mask], scale_noisy[num_mask]
-        loc_y, scale_y = action.regress(loc_rows, scale_rows)
-        nll = regression_nll(loc_y, scale_y, values, value_transform)
-        # Only the <NUM> column of the head is needed for the gate; without a gradient unless the gate has one.
-        with torch.set_grad_enabled(torch.is_grad_enabled() and not detach_gate):
-            p_num = ovr_class_probability(loc_rows, scale_rows, weight, bias, action.threshold, num_token_id,
-                                          scale_min=action.scale_min)
-    return combine_losses(loss_sum, valid_count, nll, p_num, gate_alpha=gate_alpha, reg_loss_weight=reg_loss_weight,
-                          detach_gate=detach_gate, num_items_in_batch=num_items_in_batch)
+    loc: torch.Tensor | None  # [n, C] fp32, rows of the labelled positions
+    scale: torch.Tensor | None  # [n, C] fp32
+    weight: torch.Tensor | None  # [V, C] in the dtype of W, written block by block
+    class_sum: torch.Tensor | None  # [V]: Σ_n ∂L/∂loc_S, which is ∂L/∂b and −∂L/∂C
 
 
 def _threshold_tensor(threshold: torch.Tensor | float, vocab: int, device: torch.device) -> torch.Tensor:

@@ -35,8 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     convert = commands.add_parser("convert", help="Qwen2 checkpoint -> CausalQwen checkpoint with its tokenizer",
-                                  description="Build a CausalQwen from a Qwen2 checkpoint (DESIGN §3 initialisation: "
-                                              "it starts as exactly its Qwen) and save it with its tokenizer.")
+                                  description="Build a CausalQwen from a Qwen2 checkpoint (initialised as in "
+                                              "docs/design.md §3: it starts as exactly its Qwen) and save it with "
+                                              "its tokenizer.")
     convert.add_argument("source", help="Qwen2 folder (with its tokenizer) or hub id")
     convert.add_argument("output", help="folder to write the CausalQwen checkpoint to")
     convert.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -93,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "see causal_qwen.value_head)")
 
     evaluate = commands.add_parser("eval", help="metrics table and plots",
-                                   description="Evaluate every metric of DESIGN §6 and write plots as PNG files.")
+                                   description="Evaluate every metric (docs/design.md §6) and write PNG plots.")
     evaluate.add_argument("model", help="CausalQwen folder")
     _add_data_arguments(evaluate, default_split="test", default_n=500)
     evaluate.add_argument("--batch-size", type=int, default=8)

@@ -64,7 +64,7 @@ class CausalQwenConfig(Qwen2Config):
             Set by [`fit_value_head`] when the value head was started from data (positions, penalty, residual
             scale); a model that has it is not fitted again by `CausalQwenTrainer`.
         abduction_anchor_weight (`float`, defaults to 0.0):
-            β of the abduction anchor (DESIGN.md §4, §7): when positive, the model keeps a frozen copy of its
+            β of the abduction anchor (docs/design.md §4, §7): when positive, the model keeps a frozen copy of its
             abduction network (`abduction_anchor`) and the loss adds β times the mean over labelled positions of
             Σ_c KL(U ‖ U⁰). Set by [`CausalQwenForCausalLM.enable_abduction_finetuning`].
         conversion_seed (`int`, *optional*):

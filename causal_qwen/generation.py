@@ -1,4 +1,4 @@
-"""Generation modes of CausalQwen (DESIGN.md §5) on top of transformers' `GenerationMixin`.
+"""Generation modes of CausalQwen (docs/design.md §5) on top of transformers' `GenerationMixin`.
 
 `GenerationMixin` runs the loop (KV cache, stopping criteria, streamers, logits processors). What this
 module adds is decided per step at the last position only:
@@ -15,20 +15,22 @@ module adds is decided per step at the last position only:
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from transformers.generation import GenerationMixin
 from transformers.generation.streamers import BaseStreamer, TextStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cauchy import standard_from_uniform, uniform
+from .cauchy import uniform
 from .generation_options import GENERATION_MODES, check_generation_options
 
 __all__ = [
-    "GENERATION_MODES", "CausalQwenGenerateOutput", "CausalGenerationState", "StreamerWithNumbers",
-    "check_generation_options",
+    "GENERATION_MODES", "CausalQwenGenerateOutput", "CausalGenerationState", "CausalQwenGenerationMixin",
+    "StreamerWithNumbers", "check_generation_options",
 ]
 
 
@@ -107,44 +109,39 @@ class CausalGenerationState:
             return values, None, None
         return values, torch.stack(self.step_loc_y, 1)[:, :kept], torch.stack(self.step_scale_y, 1)[:, :kept]
 
-    def decide(self, action, loc_u: torch.Tensor, scale_u: torch.Tensor) -> dict[str, torch.Tensor | None]:
-        """The mode's distributions and decision scores at the last position.
+    def decide(
+        self, action, loc_u: torch.Tensor, scale_u: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+        """The mode's decision scores and distributions at the last position.
 
         Args:
             action: the model's `CausalQwenAction`.
             loc_u, scale_u: `[B, n, C]`; only the last position is used.
 
         Returns:
-            `logits` `[B, 1, V]` (the scores the generation loop ranks), `loc_S`, `scale_S` `[B, 1, V]` (None in
-            `traditional` mode, which ranks loc_S alone),
-            `loc_Y`, `scale_Y` `[B, 1]` (None without a regression head).
+            `logits` `[B, 1, V]`, the scores the generation loop ranks (`loc_S` in `traditional` mode, else the
+            standardised margin `action.margin`), and the distributions `loc_S`, `scale_S` `[B, 1, V]` (`scale_S`
+            is None in `traditional` mode, which ranks loc_S alone), `loc_Y`, `scale_Y` `[B, 1]` (None without a
+            regression head).
         """
         loc_u, scale_u = loc_u[:, -1:], scale_u[:, -1:]
         if self.mode == "causal":
-            u = loc_u + scale_u * standard_from_uniform(self._draw(loc_u)).unsqueeze(1)
-            noise = action.b_noise.abs().to(u.dtype).expand_as(u)
-            loc_in, scale_in = u, noise
+            loc_in, scale_in = action.head_inputs(loc_u, scale_u, individual=self._draw(loc_u).unsqueeze(1))
         elif self.shared_noise:
-            eps_noise = standard_from_uniform(self._draw(loc_u)).unsqueeze(1)
-            loc_in, scale_in = loc_u + action.b_noise.abs().to(loc_u.dtype) * eps_noise, scale_u
+            loc_in, scale_in = action.head_inputs(loc_u, scale_u, noise=self._draw(loc_u).unsqueeze(1))
         else:
-            loc_in, scale_in = loc_u, action.noisy_scale(scale_u)
-        if self.mode == "traditional":
-            # The softmax needs loc_S only: skip the pass over |W_cls| that scale_S would cost.
-            loc_s, scale_s = torch.nn.functional.linear(loc_in, action.cls_head.weight, action.cls_head.bias), None
-        else:
-            loc_s, scale_s = action.classify(loc_in, scale_in)
+            loc_in, scale_in = action.head_inputs(loc_u, scale_u)
+        traditional = self.mode == "traditional"
+        # The softmax needs loc_S only: skip the pass over |W_cls| that scale_S would cost.
+        loc_s, scale_s = action.classify(loc_in, None if traditional else scale_in)
         loc_y = scale_y = None
         if action.reg_head is not None:
             loc_y, scale_y = action.regress(loc_in, scale_in)
             self.pending_value = shortest_float32(self.to_value(loc_y[:, -1].double()))
             self.step_loc_y.append(loc_y[:, -1])
             self.step_scale_y.append(scale_y[:, -1])
-        if self.mode == "traditional":
-            logits = loc_s
-        else:
-            logits = (loc_s.float() - action.threshold.float()) / scale_s.float()
-        return {"logits": logits, "loc_S": loc_s, "scale_S": scale_s, "loc_Y": loc_y, "scale_Y": scale_y}
+        logits = loc_s if traditional else action.margin(loc_s, scale_s)
+        return logits, {"loc_S": loc_s, "scale_S": scale_s, "loc_Y": loc_y, "scale_Y": scale_y}
 
     def _draw(self, like: torch.Tensor) -> torch.Tensor:
         """ε ~ U(0, 1)^[B, C]: fresh each step, or drawn once and reused when the mode shares it."""
@@ -152,10 +149,115 @@ class CausalGenerationState:
         if shared and self.shared_draw is not None:
             return self.shared_draw
         shape = (like.shape[0], like.shape[-1])
-        eps = uniform(shape, like.device, self.generator).to(like.dtype)
+        eps = uniform(shape, like.device, self.generator)
         if shared:
             self.shared_draw = eps
         return eps
+
+
+class CausalQwenGenerationMixin(GenerationMixin):
+    """transformers' `GenerationMixin` with CausalQwen's modes and numbers; `CausalQwenForCausalLM` inherits it."""
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        numeric_values: torch.Tensor | None = None,
+        generation_state: CausalGenerationState | None = None,
+        **kwargs,
+    ) -> dict:
+        """Qwen2's preparation, plus the `numeric_values` of the ids this step feeds to the model."""
+        model_inputs = super().prepare_inputs_for_generation(input_ids, **kwargs)
+        if generation_state is not None:
+            model_inputs["generation_state"] = generation_state
+            numeric_values = generation_state.sync(input_ids, numeric_values)
+        fed = model_inputs.get("input_ids")
+        if numeric_values is not None and fed is not None:
+            model_inputs["numeric_values"] = numeric_values[:, -fed.shape[1]:]
+        return model_inputs
+
+    @torch.no_grad()
+    def generate(
+        self,
+        inputs: torch.Tensor | None = None,
+        generation_config=None,
+        *,
+        numeric_values: torch.Tensor | None = None,
+        mode: str = "standard",
+        shared_individual: bool = False,
+        shared_noise: bool = False,
+        generator: torch.Generator | None = None,
+        output_value_scores: bool = False,
+        **kwargs,
+    ) -> torch.LongTensor | CausalQwenGenerateOutput:
+        r"""
+        Generate with transformers' loop in one of the modes of docs/design.md §5.
+
+        Args:
+            inputs (`torch.LongTensor` of shape `(B, S)`): the prompt ids (left-padded for batches).
+            numeric_values (`torch.Tensor` of shape `(B, S)`, *optional*): the prompt's numbers.
+            mode (`str`, defaults to `"standard"`):
+                `"standard"`: argmax of the OvR probabilities; numbers are the median `loc_Y`.
+                `"causal"`: sample the individual u = loc_U + scale_U·tan(π(ε − ½)) and decide under the
+                noise alone; a fresh ε every step, or one per sequence with `shared_individual=True`.
+                `"traditional"`: softmax over `loc_S` with the usual `do_sample`, `temperature`, `top_k`,
+                `top_p`; greedy when `do_sample=False`, exactly as Qwen2.
+            shared_individual (`bool`): `causal` mode only.
+            shared_noise (`bool`): `standard` mode only; one ε_noise ~ Cauchy(0, 1) per sequence shifts U.
+            generator (`torch.Generator`, *optional*): drives every random draw (ε is drawn as
+                `torch.rand(B, C)` from it), so a seed reproduces a generation.
+            output_value_scores (`bool`): with `return_dict_in_generate=True`, also return the per-step
+                `loc_Y` and `scale_Y`.
+            **kwargs: everything `GenerationMixin.generate` takes (`attention_mask`, `max_new_tokens`,
+                `eos_token_id`, `streamer`, `return_dict_in_generate`, ...).
+
+        Returns:
+            The ids `(B, L)` as Qwen2 returns them, or with `return_dict_in_generate=True` a
+            [`CausalQwenGenerateOutput`] that also carries `numeric_values` `(B, L)`.
+        """
+        check_generation_options(mode, shared_individual, shared_noise, kwargs.get("do_sample"))
+        if kwargs.get("num_beams", 1) > 1 or (generation_config is not None and generation_config.num_beams > 1):
+            raise ValueError("num_beams > 1 is not supported: beams would reorder the numbers of each sequence")
+        if mode != "traditional":
+            kwargs["do_sample"] = False
+            copies = kwargs.pop("num_return_sequences", None) or getattr(generation_config, "num_return_sequences", 1)
+            if copies > 1:
+                # Greedy search refuses several sequences per prompt; here each copy draws its own ε (causal) or
+                # noise (shared_noise), so repeat the prompts instead.
+                if generation_config is not None:
+                    generation_config = copy.deepcopy(generation_config)
+                    generation_config.num_return_sequences = 1
+                inputs, numeric_values, kwargs = _repeat_prompts(copies, inputs, numeric_values, kwargs)
+        config = generation_config if generation_config is not None else self.generation_config
+        return_dict = kwargs.pop("return_dict_in_generate", config.return_dict_in_generate)
+        state = CausalGenerationState(
+            mode, shared_individual=shared_individual, shared_noise=shared_noise, generator=generator,
+            num_token_id=self.config.num_token_id if self.config.use_numeric else None, to_value=self.to_value,
+        )
+        if kwargs.get("streamer") is not None and state.num_token_id is not None:
+            kwargs["streamer"] = StreamerWithNumbers(kwargs["streamer"], state, numeric_values)
+        sampling_rng = global_rng_from(generator if mode == "traditional" else None)
+        with sampling_rng:
+            output = super().generate(
+                inputs, generation_config, numeric_values=numeric_values, generation_state=state,
+                return_dict_in_generate=True, **kwargs,
+            )
+        values, loc_y, scale_y = state.finish(output.sequences)
+        if not return_dict:
+            return output.sequences
+        if not output_value_scores:
+            loc_y = scale_y = None
+        return CausalQwenGenerateOutput(**output, numeric_values=values, loc_Y=loc_y, scale_Y=scale_y)
+
+
+def _repeat_prompts(copies: int, inputs, numeric_values, kwargs: dict):
+    """Repeat every prompt row `copies` times (ids, attention mask, numbers), as `num_return_sequences` would."""
+    def repeat(x):
+        return x.repeat_interleave(copies, dim=0) if isinstance(x, torch.Tensor) else x
+
+    kwargs = {**kwargs, **{k: repeat(kwargs[k]) for k in ("input_ids", "attention_mask") if k in kwargs}}
+    return repeat(inputs), repeat(numeric_values), kwargs
+
+
 
 
 def shortest_float32(values: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Which generation options go together (DESIGN.md §5), checked without importing torch.
+"""Which generation options go together (docs/design.md §5), checked without importing torch.
 
 `CausalQwenForCausalLM.generate` and the `causal-qwen generate` command both apply this rule: the command checks
 its options while parsing them, before a model is loaded.
@@ -20,7 +20,7 @@ class GenerationOptionError(ValueError):
 
 
 def check_generation_options(mode: str, shared_individual: bool, shared_noise: bool, do_sample: bool | None) -> None:
-    """Reject combinations DESIGN.md §5 leaves undefined, naming the argument."""
+    """Reject combinations docs/design.md §5 leaves undefined, naming the argument."""
     if mode not in GENERATION_MODES:
         raise GenerationOptionError("mode", f"mode must be one of {GENERATION_MODES}, got {mode!r}")
     if shared_individual and mode != "causal":

@@ -1,7 +1,13 @@
-"""The CausalQwen loss (DESIGN.md §4): One-vs-Rest Cauchy BCE over the vocabulary + gated Cauchy NLL.
+"""The CausalQwen loss (docs/design.md §4): One-vs-Rest Cauchy BCE over the vocabulary + gated Cauchy NLL.
 
-Labels follow the Hugging Face convention: `labels` has the shape of `input_ids`, −100 marks
-positions without loss, and the shift happens here (position i predicts token i + 1).
+Two paths give the same loss and gradients from plain tensors:
+
+- `causal_qwen_loss` from the `[B, S, V]` decision scores (`loc_S`, `scale_S`), written as the formulas read;
+- `fused_causal_qwen_loss` from `loc_U` and the head's weights, through the tiled kernel of
+  `causal_qwen.chunked_loss`, without any `[B, S, V]` tensor (the path of a training step).
+
+Both shift the labels with `labels.next_token_targets`, score the value at positions whose target is `<NUM>` with
+`regression_nll`, and reduce with `combine_losses`. `LossOptions` carries the config fields that shape the loss.
 """
 
 from __future__ import annotations
@@ -10,9 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .cauchy import nll, ovr_log_probs, ovr_probability, symlog
+from .cauchy import nll, ovr_log_probs, ovr_probability, symexp, symlog
+from .chunked_loss import chunked_ovr_loss, class_threshold, ovr_class_probability
+from .labels import IGNORE_INDEX, next_token_targets
 
-IGNORE_INDEX = -100
+__all__ = [
+    "IGNORE_INDEX", "CausalLoss", "LossOptions", "causal_qwen_loss", "fused_causal_qwen_loss",
+    "ovr_classification_loss", "regression_nll", "transform_values", "untransform_values", "combine_losses",
+    "safe_mean",
+]
 
 
 @dataclass
@@ -24,13 +36,41 @@ class CausalLoss:
     reg_loss: torch.Tensor
 
 
-def shift_targets(
-    labels: torch.Tensor, numeric_labels: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Targets for positions 0..S−2 are the labels at 1..S−1; the last position has none."""
-    shifted = labels[:, 1:]
-    shifted_values = numeric_labels[:, 1:] if numeric_labels is not None else None
-    return shifted, shifted_values
+@dataclass(frozen=True)
+class LossOptions:
+    """The config fields that shape the loss (docs/design.md §4); `from_config` is the one place that reads them.
+
+    Args:
+        num_token_id: id of `<NUM>`; None turns regression off (the text-only model).
+        gate_alpha: floor α of the gate α + (1 − α)·P_<NUM> on the regression NLL.
+        reg_loss_weight: λ in `loss = cls_loss + λ·reg_loss`.
+        detach_gate: no gradient flows through the gate.
+        value_transform: the space of the regression head, `"identity"` or `"symlog"`.
+    """
+
+    num_token_id: int | None
+    gate_alpha: float = 0.0
+    reg_loss_weight: float = 1.0
+    detach_gate: bool = True
+    value_transform: str = "identity"
+
+    @classmethod
+    def from_config(cls, config) -> LossOptions:
+        return cls(
+            num_token_id=config.num_token_id if config.use_numeric else None, gate_alpha=config.gate_alpha,
+            reg_loss_weight=config.reg_loss_weight, detach_gate=config.detach_gate,
+            value_transform=config.value_transform,
+        )
+
+
+def transform_values(values: torch.Tensor, value_transform: str) -> torch.Tensor:
+    """Map true values into the space the regression head models."""
+    return symlog(values) if value_transform == "symlog" else values
+
+
+def untransform_values(y: torch.Tensor, value_transform: str) -> torch.Tensor:
+    """Map a point of the regression head's space back to a value (the inverse of `transform_values`)."""
+    return symexp(y) if value_transform == "symlog" else y
 
 
 def ovr_classification_loss(
@@ -51,13 +91,6 @@ def ovr_classification_loss(
     safe_targets = targets.clamp(min=0).unsqueeze(-1)
     # All classes are negatives except the target, whose negative term is swapped for its positive one.
     return -(log_q.sum(-1) + log_p.gather(-1, safe_targets).squeeze(-1) - log_q.gather(-1, safe_targets).squeeze(-1))
-
-
-def transform_values(values: torch.Tensor, value_transform: str) -> torch.Tensor:
-    """Map true values into the space the regression head models."""
-    if value_transform == "symlog":
-        return symlog(values)
-    return values
 
 
 def regression_nll(
@@ -88,7 +121,7 @@ def causal_qwen_loss(
     value_transform: str = "identity",
     num_items_in_batch: int | torch.Tensor | None = None,
 ) -> CausalLoss:
-    """The total loss of DESIGN.md §4 from unshifted head outputs and labels.
+    """The total loss of docs/design.md §4 from unshifted head outputs and labels.
 
     Args:
         loc_s, scale_s: `[B, S, V]` decision scores.
@@ -96,7 +129,7 @@ def causal_qwen_loss(
         labels: `[B, S]` token ids, `IGNORE_INDEX` where no loss is wanted.
         numeric_labels: `[B, S]` true values (read where the label is `<NUM>`), or None.
         threshold: the OvR threshold C, scalar or `[V]`.
-        num_token_id: id of `<NUM>`; None turns regression off.
+        num_token_id, gate_alpha, reg_loss_weight, detach_gate, value_transform: see `LossOptions`.
         num_items_in_batch: when given (`Trainer` with gradient accumulation or several devices), the count
             of valid positions over all micro-batches and devices. The classification sum is divided by it
             instead of by this batch's count, and the regression mean enters the total weighted by this
@@ -106,28 +139,90 @@ def causal_qwen_loss(
     Returns:
         `CausalLoss` with `loss = cls_loss + reg_loss_weight · reg_loss`, fp32 scalars.
     """
-    targets, target_values = shift_targets(labels, numeric_labels)
-    loc_s, scale_s = loc_s[:, :-1], scale_s[:, :-1]
-    valid = targets != IGNORE_INDEX
-    flat_valid = valid.reshape(-1)
+    targets, target_values = next_token_targets(labels, numeric_labels)
+    valid = (targets != IGNORE_INDEX).reshape(-1)
     vocab = loc_s.shape[-1]
-
     cls_per_position = ovr_classification_loss(
-        loc_s.reshape(-1, vocab)[flat_valid], scale_s.reshape(-1, vocab)[flat_valid],
-        targets.reshape(-1)[flat_valid], threshold,
+        loc_s.reshape(-1, vocab)[valid], scale_s.reshape(-1, vocab)[valid], targets.reshape(-1)[valid], threshold
     )
-    nll_values = p_num = None
-    if num_token_id is not None and loc_y is not None and target_values is not None:
-        num_mask = valid & (targets == num_token_id)
-        nll_values = regression_nll(loc_y[:, :-1][num_mask], scale_y[:, :-1][num_mask], target_values[num_mask],
-                                    value_transform)
-        p_num = ovr_probability(
-            loc_s[..., num_token_id][num_mask].float(), scale_s[..., num_token_id][num_mask].float(),
-            _threshold_of(threshold, num_token_id),
-        )
-    return combine_losses(cls_per_position.sum(), flat_valid.sum(), nll_values, p_num, gate_alpha=gate_alpha,
+    num_mask, nll_values = _value_terms(targets, target_values, loc_y, scale_y, num_token_id, value_transform)
+    p_num = None
+    if nll_values is not None:
+        p_num = ovr_probability(loc_s[..., num_token_id][num_mask].float(),
+                                scale_s[..., num_token_id][num_mask].float(), class_threshold(threshold, num_token_id))
+    return combine_losses(cls_per_position.sum(), valid.sum(), nll_values, p_num, gate_alpha=gate_alpha,
                           reg_loss_weight=reg_loss_weight, detach_gate=detach_gate,
                           num_items_in_batch=num_items_in_batch)
+
+
+def fused_causal_qwen_loss(
+    loc_u: torch.Tensor,
+    scale_u_noisy: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    threshold: torch.Tensor | float,
+    loc_y: torch.Tensor | None,
+    scale_y: torch.Tensor | None,
+    labels: torch.Tensor,
+    numeric_labels: torch.Tensor | None,
+    *,
+    scale_min: float,
+    num_token_id: int | None,
+    gate_alpha: float = 0.0,
+    reg_loss_weight: float = 1.0,
+    detach_gate: bool = True,
+    value_transform: str = "identity",
+    num_items_in_batch: int | torch.Tensor | None = None,
+    chunk_size: int | None = None,
+    vocab_chunk_size: int | None = None,
+    memory_budget: int | None = None,
+) -> CausalLoss:
+    """`causal_qwen_loss` of the head `loc_S = loc_U·Wᵀ + b`, `scale_S = max(scale_U'·|W|ᵀ, scale_min)`, fused.
+
+    The classification part runs through `chunked_loss.chunked_ovr_loss`, tile by tile; the gate needs only the
+    `<NUM>` column of the head, computed at the positions whose target is `<NUM>`.
+
+    Args:
+        loc_u, scale_u_noisy: `[B, S, C]` loc_U and scale_U' = scale_U + |b_noise| (not floored).
+        weight, bias, threshold: W_cls `[V, C]`, b_cls `[V]` (or None), C (`[V]`, scalar or float).
+        loc_y, scale_y: `[B, S]` regression distribution, or None for the text-only model.
+        labels, numeric_labels, num_token_id, gate_alpha, reg_loss_weight, detach_gate, value_transform,
+            num_items_in_batch: as in `causal_qwen_loss`.
+        scale_min: the floor on scale_S.
+        chunk_size, vocab_chunk_size, memory_budget: tiling, as in `chunked_ovr_loss`.
+    """
+    # Targets keep the [B, S] shape (the last position unlabelled), so loc_u and scale_u are used whole and
+    # flattening them is a view, not a copy.
+    targets, target_values = next_token_targets(labels, numeric_labels)
+    loss_sum, valid_count, _ = chunked_ovr_loss(
+        loc_u, scale_u_noisy, weight, bias, threshold, targets, scale_min=scale_min, chunk_size=chunk_size,
+        vocab_chunk_size=vocab_chunk_size, memory_budget=memory_budget,
+    )
+    num_mask, nll_values = _value_terms(targets, target_values, loc_y, scale_y, num_token_id, value_transform)
+    p_num = None
+    if nll_values is not None:
+        # Without a gradient unless the gate has one: then only the <NUM> row of W enters the graph.
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not detach_gate):
+            p_num = ovr_class_probability(loc_u[num_mask], scale_u_noisy[num_mask], weight, bias, threshold,
+                                          num_token_id, scale_min=scale_min)
+    return combine_losses(loss_sum, valid_count, nll_values, p_num, gate_alpha=gate_alpha,
+                          reg_loss_weight=reg_loss_weight, detach_gate=detach_gate,
+                          num_items_in_batch=num_items_in_batch)
+
+
+def _value_terms(
+    targets: torch.Tensor,
+    target_values: torch.Tensor | None,
+    loc_y: torch.Tensor | None,
+    scale_y: torch.Tensor | None,
+    num_token_id: int | None,
+    value_transform: str,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """`(num_mask, nll)`: the positions whose target is `<NUM>` `[B, S]` and the value's NLL there `[n]` (or Nones)."""
+    if num_token_id is None or loc_y is None or target_values is None:
+        return None, None
+    num_mask = targets == num_token_id
+    return num_mask, regression_nll(loc_y[num_mask], scale_y[num_mask], target_values[num_mask], value_transform)
 
 
 def combine_losses(
@@ -141,7 +236,7 @@ def combine_losses(
     detach_gate: bool,
     num_items_in_batch: int | torch.Tensor | None,
 ) -> CausalLoss:
-    """The reductions of DESIGN.md §4, shared by the straightforward and the fused path.
+    """The reductions of docs/design.md §4, shared by the straightforward and the fused path.
 
     Args:
         cls_sum: OvR loss summed over the valid positions (fp32 scalar); valid_count: their number.
@@ -171,9 +266,3 @@ def safe_mean(total: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
 
 def _as_float(threshold: torch.Tensor | float) -> torch.Tensor | float:
     return threshold.float() if isinstance(threshold, torch.Tensor) else threshold
-
-
-def _threshold_of(threshold: torch.Tensor | float, token_id: int) -> torch.Tensor | float:
-    if isinstance(threshold, torch.Tensor) and threshold.dim() > 0:
-        return threshold[token_id].float()
-    return _as_float(threshold)

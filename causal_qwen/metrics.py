@@ -1,4 +1,4 @@
-"""Metrics of DESIGN.md §6, from one place: standalone, or as `compute_metrics` for `Trainer`.
+"""Metrics of docs/design.md §6, from one place: standalone, or as `compute_metrics` for `Trainer`.
 
 Everything is computed per valid position first (a handful of numbers per position, never a
 `[B, S, V]` tensor kept across batches), then summarised:
@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import torch
 
 from . import cauchy
-from .loss import IGNORE_INDEX
+from .labels import IGNORE_INDEX, next_token_targets
 
 __all__ = ["position_statistics", "summarize", "evaluate", "CausalQwenMetrics"]
 
@@ -54,8 +54,7 @@ def position_statistics(
     """
     batch, seq = labels.shape
     out = torch.zeros(batch, seq, len(FIELDS), dtype=torch.float64, device=labels.device)
-    targets = torch.full_like(labels, IGNORE_INDEX)
-    targets[:, :-1] = labels[:, 1:]
+    targets, true_values = next_token_targets(labels, numeric_labels)
     valid = targets != IGNORE_INDEX
     idx = valid.nonzero(as_tuple=True)
     if idx[0].numel() == 0:
@@ -73,17 +72,15 @@ def position_statistics(
     if loc_y is not None and num_id is not None:
         out[..., FIELDS.index("loc_y")][idx] = loc_y[idx].double()
         out[..., FIELDS.index("scale_y")][idx] = scale_y[idx].double()
-        if numeric_labels is not None:
-            shifted = torch.zeros_like(numeric_labels, dtype=torch.float64)
-            shifted[:, :-1] = numeric_labels[:, 1:].double()
-            out[..., FIELDS.index("true_value")][idx] = shifted[idx]
+        if true_values is not None:
+            out[..., FIELDS.index("true_value")][idx] = true_values[idx].double()
     return out
 
 
 def _chunk_statistics(action, loc_s, scale_s, loc_u, scale_u, targets, num_id, generator) -> torch.Tensor:
     """`[n, len(FIELDS)]` for n valid positions; regression columns are filled by the caller."""
     threshold = action.threshold.float()
-    p = cauchy.ovr_probability(loc_s, scale_s, threshold)
+    p = action.ovr_probability(loc_s, scale_s)
     log_p_target = cauchy.ovr_log_probs(
         loc_s.gather(-1, targets[:, None]), scale_s.gather(-1, targets[:, None]),
         threshold.expand_as(loc_s).gather(-1, targets[:, None]),
@@ -94,10 +91,8 @@ def _chunk_statistics(action, loc_s, scale_s, loc_u, scale_u, targets, num_id, g
 
     # Causal mode: one individual u per position, the decision then carries the noise alone.
     eps = cauchy.uniform(loc_u.shape, loc_u.device, generator)
-    u = loc_u + scale_u * cauchy.standard_from_uniform(eps)
-    noise = action.b_noise.abs().float().expand_as(u)
-    loc_c, scale_c = cauchy.linear(u, noise, action.cls_head.weight.float(), action.cls_head.bias.float())
-    ovr_sum_causal = cauchy.ovr_probability(loc_c, scale_c.clamp(min=action.scale_min), threshold).sum(-1)
+    loc_c, scale_c = action.classify(*action.head_inputs(loc_u, scale_u, individual=eps))
+    ovr_sum_causal = action.ovr_probability(loc_c.float(), scale_c.float()).sum(-1)
 
     is_num = targets == num_id if num_id is not None else torch.zeros_like(targets, dtype=torch.bool)
     pred_num = pred == num_id if num_id is not None else torch.zeros_like(targets, dtype=torch.bool)

@@ -1,4 +1,4 @@
-"""`Trainer` with per-module learning rates and the training metrics of DESIGN.md §6.
+"""`Trainer` with per-module learning rates and the training metrics of docs/design.md §6.
 
 transformers' `Trainer` trains CausalQwen as it is (the model returns `loss`). This subclass adds two things:
 
@@ -10,7 +10,7 @@ transformers' `Trainer` trains CausalQwen as it is (the model returns `loss`). T
   multiple of it.
 - At each logging step, the averages since the previous log of the loss parts every forward already returns,
   logged as `total_loss`, `cls_loss_mean` and `reg_loss_effective` next to Trainer's `loss`. The reporters of
-  `report_to` (TensorBoard, wandb, ...) file training logs under `train/`, so they appear there as DESIGN.md §6's
+  `report_to` (TensorBoard, wandb, ...) file training logs under `train/`, so they appear there as docs/design.md §6's
   `train/total_loss`, `train/cls_loss_mean` and `train/reg_loss_effective`.
 
 `train/accuracy` is not logged: a training step takes the fused path, which never builds the `[B, S, V]` scores
@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
+from .checks import check_positive_finite
 from .value_head import fit_value_head
 
 __all__ = ["CausalQwenTrainer", "LEARNING_RATE_SCALES", "ValueHeadStartCallback", "parameter_groups"]
@@ -84,8 +85,7 @@ def _check_scales(scales: dict[str, float]) -> dict[str, float]:
     for key, value in scales.items():
         if not isinstance(key, str) or not key.strip("."):
             raise ValueError(f"scales keys must be non-empty module paths, got {key!r}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise ValueError(f"scales[{key!r}] must be a positive finite number, got {value!r}")
+        check_positive_finite(f"scales[{key!r}]", value)
     return dict(scales)
 
 
@@ -108,9 +108,7 @@ def parameter_groups(model: nn.Module, learning_rate: float, weight_decay: float
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if (isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float))
-            or not math.isfinite(learning_rate) or learning_rate <= 0):
-        raise ValueError(f"learning_rate must be a positive finite number, got {learning_rate!r}")
+    check_positive_finite("learning_rate", learning_rate)
     if (isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float))
             or not math.isfinite(weight_decay) or weight_decay < 0):
         raise ValueError(f"weight_decay must be a non-negative finite number, got {weight_decay!r}")

@@ -24,7 +24,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .loss import shift_targets, transform_values
+from .checks import check_positive_finite
+from .labels import next_token_targets
+from .loss import transform_values
 
 __all__ = ["ValueHeadFit", "fit_value_head", "ridge_readout", "value_head_rows"]
 
@@ -60,14 +62,15 @@ def value_head_rows(
     count = 0
     for batch in batches:
         values = batch.get("numeric_labels")
-        targets, next_values = shift_targets(batch["labels"], values if values is not None else batch["numeric_values"])
-        where = targets == num_id  # [B, S − 1]: position i predicts label i + 1
+        targets, next_values = next_token_targets(batch["labels"],
+                                                  values if values is not None else batch["numeric_values"])
+        where = targets == num_id
         if not bool(where.any()):
             continue
         inputs = {k: batch[k].to(device) for k in ("input_ids", "numeric_values", "attention_mask", "position_ids")
                   if batch.get(k) is not None}
         out = model(**inputs, logits_to_keep=0, output_distributions=False)
-        xs.append(out.loc_U[:, :-1][where.to(device)].double().cpu())
+        xs.append(out.loc_U[where.to(device)].double().cpu())
         ys.append(next_values[where].double().cpu())
         count += int(where.sum())
         if count >= max_positions:
@@ -95,8 +98,10 @@ def ridge_readout(
         raise ValueError(f"x must be [N, C] and y [N], got {tuple(x.shape)} and {tuple(y.shape)}")
     if x.shape[0] < 3:
         raise ValueError(f"the value head needs at least 3 <NUM> positions to fit, got {x.shape[0]}")
-    if not penalties or not all(math.isfinite(p) and p > 0 for p in penalties):
-        raise ValueError(f"penalties must be positive finite numbers, got {penalties!r}")
+    if not penalties:
+        raise ValueError("penalties must be a non-empty sequence of positive finite numbers")
+    for i, penalty in enumerate(penalties):
+        check_positive_finite(f"penalties[{i}]", penalty)
     x, y = x.double(), y.double()
     mean, std = x.mean(0), x.std(0).clamp(min=1e-6)
     a = (x - mean) / std

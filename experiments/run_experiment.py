@@ -63,7 +63,7 @@ from causal_qwen.data import (
     template_baselines,
     tokenize_examples,
 )
-from causal_qwen.loss import IGNORE_INDEX
+from causal_qwen.labels import IGNORE_INDEX
 from causal_qwen.metrics import FIELDS, evaluate
 from causal_qwen.numbers import find_numbers
 from causal_qwen.plots import plot_loss_curves, plot_predictions
@@ -255,7 +255,7 @@ def causal_generated(model, tokenizer, examples: list[NumericExample], batch_siz
 
 
 def causal_positions(model, tokenizer, examples: list[NumericExample], batch_size: int, seed: int) -> dict:
-    """Next-token metrics of DESIGN §6 over every position (`causal_qwen.metrics.evaluate`)."""
+    """Next-token metrics of docs/design.md §6 over every position (`causal_qwen.metrics.evaluate`)."""
     collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
     features = tokenize_examples(tokenizer, [ex.text for ex in examples])
     batches = (collator(features[k:k + batch_size]) for k in range(0, len(features), batch_size))

@@ -8,11 +8,10 @@ import torch
 from causal_qwen import CausalQwenConfig, CausalQwenForCausalLM, cauchy
 from causal_qwen.chunked_loss import (
     choose_chunk_sizes,
-    chunked_causal_qwen_loss,
     chunked_ovr_loss,
     ovr_class_probability,
 )
-from causal_qwen.loss import causal_qwen_loss, ovr_classification_loss
+from causal_qwen.loss import LossOptions, causal_qwen_loss, ovr_classification_loss
 from causal_qwen.modeling import CausalQwenAction
 
 N, V, C = 50, 300, 16
@@ -211,6 +210,12 @@ def test_chunk_sizes_fill_the_budget_and_do_not_grow_with_positions():
 # The straightforward path of the model: CausalQwenAction, then loss.causal_qwen_loss.
 
 
+def heads(action, loc_u, scale_u):
+    """`(loc_S, scale_S, loc_Y, scale_Y)` of the action module, for the straightforward loss."""
+    out = action(loc_u, scale_u)
+    return out.loc_S, out.scale_S, out.loc_Y, out.scale_Y
+
+
 def make_action(learnable=True, use_numeric=True, dtype=torch.float32, seed=0):
     config = CausalQwenConfig(
         vocab_size=V, hidden_size=C, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -265,10 +270,11 @@ def test_causal_qwen_loss_matches_straightforward_path(options, learnable, num_i
     inputs = differentiable_inputs(action, loc_u, scale_u)
     assert any(p is action.threshold for p in inputs) == learnable
 
-    want = causal_qwen_loss(*action(loc_u, scale_u), labels, values, threshold=action.threshold, num_token_id=NUM,
-                            num_items_in_batch=num_items, **options)
-    got = chunked_causal_qwen_loss(loc_u, scale_u, labels, values, action=action, num_token_id=NUM,
-                                   num_items_in_batch=num_items, chunk_size=6, vocab_chunk_size=70, **options)
+    want = causal_qwen_loss(*heads(action, loc_u, scale_u), labels, values, threshold=action.threshold,
+                            num_token_id=NUM, num_items_in_batch=num_items, **options)
+    got = action(loc_u, scale_u, labels, values, output_distributions=False,
+                 loss_options=LossOptions(num_token_id=NUM, **options), num_items_in_batch=num_items, chunk_size=6,
+                 vocab_chunk_size=70)
     for name in ("loss", "cls_loss", "reg_loss"):
         assert getattr(got, name).item() == pytest.approx(getattr(want, name).item(), rel=1e-5), name
     assert want.reg_loss.item() != 0.0
@@ -281,9 +287,10 @@ def test_batch_without_num_and_text_only_model():
         loc_u, scale_u, labels, values = make_batch(with_num=use_numeric is False)
         inputs = differentiable_inputs(action, loc_u, scale_u)
         num_token_id = NUM if use_numeric else None
-        want = causal_qwen_loss(*action(loc_u, scale_u), labels, values, threshold=action.threshold,
+        want = causal_qwen_loss(*heads(action, loc_u, scale_u), labels, values, threshold=action.threshold,
                                 num_token_id=num_token_id)
-        got = chunked_causal_qwen_loss(loc_u, scale_u, labels, values, action=action, num_token_id=num_token_id)
+        got = action(loc_u, scale_u, labels, values, output_distributions=False,
+                     loss_options=LossOptions(num_token_id=num_token_id))
         assert got.reg_loss.item() == 0.0 == want.reg_loss.item()
         assert got.loss.item() == pytest.approx(want.loss.item(), rel=1e-5)
         got_grads = torch.autograd.grad(got.loss, inputs, allow_unused=True, materialize_grads=True)
@@ -296,7 +303,7 @@ def test_all_padding_batch_gives_zero_loss_without_nan():
     loc_u, scale_u, labels, values = make_batch()
     labels = torch.full_like(labels, -100)
     inputs = differentiable_inputs(action, loc_u, scale_u)
-    got = chunked_causal_qwen_loss(loc_u, scale_u, labels, values, action=action, num_token_id=NUM)
+    got = action(loc_u, scale_u, labels, values, output_distributions=False)
     assert got.loss.item() == got.cls_loss.item() == got.reg_loss.item() == 0.0
     grads = torch.autograd.grad(got.loss, inputs, allow_unused=True, materialize_grads=True)
     assert all(torch.isfinite(g).all() and not g.any() for g in grads)
@@ -362,11 +369,7 @@ def test_model_loss_through_the_chunked_path(tiny_qwen):
     out = model(ids, numeric_values=values, labels=labels)
     want = torch.autograd.grad(out.loss, params, allow_unused=True, materialize_grads=True)
     out = model(ids, numeric_values=values, labels=labels)
-    config = model.config
-    got = chunked_causal_qwen_loss(out.loc_U, out.scale_U, labels, values, action=model.action,
-                                   num_token_id=config.num_token_id, gate_alpha=config.gate_alpha,
-                                   reg_loss_weight=config.reg_loss_weight, detach_gate=config.detach_gate,
-                                   value_transform=config.value_transform, vocab_chunk_size=50)
+    got = model.action(out.loc_U, out.scale_U, labels, values, output_distributions=False, vocab_chunk_size=50)
     assert got.loss.item() == pytest.approx(out.loss.item(), rel=1e-5)
     assert got.reg_loss.item() == pytest.approx(out.reg_loss.item(), rel=1e-5) and got.reg_loss.item() != 0.0
     grads = torch.autograd.grad(got.loss, params, allow_unused=True, materialize_grads=True)

@@ -46,7 +46,7 @@ def test_convert_generate_train_eval(tmp_path, qwen25_dir, capsys):
     digit_ids = [15, 16, 17, 18, 19, 20, 21, 22, 23, 24]  # "0" ... "9" in Qwen2.5's vocabulary
     with torch.no_grad():
         assert (model(ids).loc_S[..., other] - qwen(ids).logits[..., other]).abs().max() <= 1e-5
-    # By default <NUM> starts at the mean of the digit rows, and the value has its own noise (DESIGN §3, §1).
+    # By default <NUM> starts at the mean of the digit rows, and the value has its own noise (docs/design.md §3, §1).
     torch.testing.assert_close(model.action.cls_head.weight[151665], qwen.lm_head.weight[digit_ids].mean(0))
     assert model.action.reg_log_noise.exp().item() == pytest.approx(1.0)
 

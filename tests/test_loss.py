@@ -1,4 +1,4 @@
-"""The loss against a straightforward float64 implementation of DESIGN.md §4, values and gradients."""
+"""The loss against a straightforward float64 implementation of docs/design.md §4, values and gradients."""
 
 import math
 

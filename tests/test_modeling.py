@@ -67,7 +67,7 @@ def test_init_reproduces_qwen_from_saved_dir_with_real_tokenizer(tmp_path, qwen2
     with torch.no_grad():
         reference = qwen(ids, output_hidden_states=True)
         out = model(ids)
-    # DESIGN §3 (revision 2): every column is Qwen's but <NUM>'s, which by default starts at the digits' mean.
+    # docs/design.md §3 (revision 2): every column is Qwen's but <NUM>'s, which by default starts at the digits' mean.
     other = torch.arange(151936) != 151665
     assert (out.loc_S[..., other] - reference.logits[..., other]).abs().max().item() <= 1e-5
     digits = [15, 16, 17, 18, 19, 20, 21, 22, 23, 24]  # "0" ... "9" in the Qwen2.5 vocabulary
@@ -129,7 +129,7 @@ def test_heads_equal_their_formulas(tiny_qwen):
     loc_s = loc_u @ w_cls.T + act.cls_head.bias.double()
     scale_s = scale_u_noisy @ w_cls.abs().T
     loc_y = loc_u @ w_reg + act.reg_head.bias.double()
-    gamma_y = act.reg_log_noise.double().exp()  # DESIGN §1 revision 2: the value's own noise, on by default
+    gamma_y = act.reg_log_noise.double().exp()  # docs/design.md §1 revision 2: the value's own noise, on by default
     scale_y = scale_u_noisy @ w_reg.abs() + gamma_y
     for got, want in [(out.loc_U, loc_u), (out.scale_U, scale_u), (out.loc_S, loc_s), (out.scale_S, scale_s),
                       (out.loc_Y, loc_y), (out.scale_Y, scale_y)]:
@@ -341,7 +341,7 @@ def test_real_qwen25_init_matches_qwen(qwen25_dir):
     with torch.no_grad():
         reference = qwen(ids, output_hidden_states=True)
         out = model(ids)
-    # DESIGN §3 (revision 2): every column is Qwen's but <NUM>'s, which by default starts at the digits' mean.
+    # docs/design.md §3 (revision 2): every column is Qwen's but <NUM>'s, which by default starts at the digits' mean.
     other = torch.arange(151936) != 151665
     assert (out.loc_S[..., other] - reference.logits[..., other]).abs().max().item() <= 1e-5
     digits = [15, 16, 17, 18, 19, 20, 21, 22, 23, 24]  # "0" ... "9" in the Qwen2.5 vocabulary
@@ -422,7 +422,7 @@ def test_abduction_finetuning_with_kl_anchor(tiny_qwen, tmp_path):
 
 
 def test_regression_noise_adds_a_learnable_value_scale(tiny_qwen, tmp_path):
-    # DESIGN.md §1 revision 2: γ_Y > 0 by default (1.0 until the value head is fitted); 0 is the seeds' model.
+    # docs/design.md §1 revision 2: γ_Y > 0 by default (1.0 until the value head is fitted); 0 is the seeds' model.
     assert build(tiny_qwen).action.reg_log_noise.item() == 0.0
     assert build(tiny_qwen, regression_noise=0.0).action.reg_log_noise is None
     model = build(tiny_qwen, regression_noise=0.7)
@@ -532,7 +532,7 @@ def test_conversion_seed_changes_only_the_drawn_weights(tiny_qwen, tmp_path):
     assert {k for k in sa if not torch.equal(sa[k], sb[k])} == {"numeric_embedding.w_num", "action.reg_head.weight"}
     assert other.config.conversion_seed == 7
     assert_same_weights(other, build(tiny_qwen, seed=7))
-    # w_reg: small normal draws with Qwen2's initializer_range, b_reg = 0 (DESIGN.md §3.4).
+    # w_reg: small normal draws with Qwen2's initializer_range, b_reg = 0 (docs/design.md §3.4).
     std = tiny_qwen.config.initializer_range
     assert 0.5 * std < other.action.reg_head.weight.std().item() < 2.0 * std
     assert other.action.reg_head.bias.abs().max().item() == 0.0

@@ -15,7 +15,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..loss import IGNORE_INDEX
+from ..labels import IGNORE_INDEX
 
 __all__ = ["read_examples", "read_texts", "tokenize_examples", "tokenize_texts"]
 

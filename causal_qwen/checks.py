@@ -1,0 +1,73 @@
+"""Checks of what callers pass, so that a bad argument fails at once with its name, not deep inside torch."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .labels import IGNORE_INDEX
+
+__all__ = ["check_positive_finite", "check_ids", "check_values", "check_forward_inputs"]
+
+
+def check_positive_finite(name: str, value) -> float:
+    """`value` as a float, when it is a real number in (0, ∞); a `ValueError` naming `name` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def check_ids(name: str, ids: torch.Tensor, vocab_size: int, allow_ignore: bool) -> None:
+    """An integer tensor of ids in [0, vocab_size) (and `IGNORE_INDEX` where `allow_ignore`)."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
+    if ids.numel() == 0:
+        return
+    checked = ids[ids != IGNORE_INDEX] if allow_ignore else ids
+    if checked.numel() and (int(checked.min()) < 0 or int(checked.max()) >= vocab_size):
+        raise ValueError(
+            f"{name} holds ids outside the vocabulary [0, {vocab_size}): min {int(checked.min())}, "
+            f"max {int(checked.max())}"
+        )
+
+
+def check_values(name: str, values: torch.Tensor, shape: torch.Size) -> None:
+    """A finite floating-point tensor of the ids' shape."""
+    if not isinstance(values, torch.Tensor) or not values.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor, got {getattr(values, 'dtype', type(values))}")
+    if values.shape != shape:
+        raise ValueError(f"{name} must have the shape of the ids {tuple(shape)}, got {tuple(values.shape)}")
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError(f"{name} must be finite (no NaN or inf)")
+
+
+def check_forward_inputs(
+    config,
+    input_ids: torch.Tensor | None,
+    numeric_values: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    numeric_labels: torch.Tensor | None,
+) -> None:
+    """Reject inputs of `CausalQwenForCausalLM.forward` that would otherwise give a silent wrong result."""
+    vocab = config.vocab_size
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("Pass exactly one of input_ids and inputs_embeds")
+    if input_ids is not None:
+        check_ids("input_ids", input_ids, vocab, allow_ignore=False)
+    if numeric_values is not None:
+        if input_ids is None:
+            raise ValueError("numeric_values needs input_ids (the <NUM> positions); got inputs_embeds")
+        check_values("numeric_values", numeric_values, input_ids.shape)
+        if not config.use_numeric and bool((numeric_values != 0).any()):
+            raise ValueError("numeric_values holds numbers but this model has use_numeric=False")
+    if labels is not None:
+        reference = input_ids if input_ids is not None else inputs_embeds[..., 0]
+        if labels.shape != reference.shape:
+            raise ValueError(f"labels must have shape {tuple(reference.shape)}, got {tuple(labels.shape)}")
+        check_ids("labels", labels, vocab, allow_ignore=True)
+        if numeric_labels is not None:
+            check_values("numeric_labels", numeric_labels, labels.shape)
+        elif numeric_values is None and config.use_numeric and bool((labels == config.num_token_id).any()):
+            raise ValueError("labels contain <NUM> but neither numeric_labels nor numeric_values was given")
