@@ -260,6 +260,7 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
 
     def __init__(self, config: CausalQwenConfig):
         super().__init__(config)
+        config.validate_causal_fields()  # fields set after the config was built are checked on their own only
         if config.use_numeric and config.num_token_id is None:
             raise ValueError("config.num_token_id is required when use_numeric=True (the id of <NUM>)")
         self.model = Qwen2Model(config)
@@ -658,6 +659,7 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
             seed: seed of the random draws (a non-negative int, default 0).
             **config_overrides: any field of [`CausalQwenConfig`], e.g. `num_token_id`, `ovr_threshold`.
         """
+        CausalQwenConfig.check_field_names(config_overrides, where="from_qwen()")
         generator = _conversion_generator(seed, config_overrides)
         source = _load_qwen(model_or_path, dtype)
         use_numeric = config_overrides.get("use_numeric", True)
