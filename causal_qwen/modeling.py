@@ -553,6 +553,9 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
         )
         if kwargs.get("streamer") is not None and state.num_token_id is not None:
             kwargs["streamer"] = StreamerWithNumbers(kwargs["streamer"], state, numeric_values)
+        if state.num_token_id is not None:
+            _check_numbers_have_values(inputs if inputs is not None else kwargs.get("input_ids"), numeric_values,
+                                       state.num_token_id)
         sampling_rng = global_rng_from(generator if mode == "traditional" else None)
         with sampling_rng:
             output = super().generate(
@@ -621,6 +624,8 @@ class CausalQwenForCausalLM(CausalQwenPreTrainedModel, GenerationMixin):
                 (labels == self.config.num_token_id).any()
             ):
                 raise ValueError("labels contain <NUM> but neither numeric_labels nor numeric_values was given")
+        if self.numeric_embedding is not None:
+            _check_numbers_have_values(input_ids, numeric_values, self.config.num_token_id)
 
     @classmethod
     def from_qwen(
@@ -724,6 +729,17 @@ def _check_values(name: str, values: torch.Tensor, shape: torch.Size) -> None:
         raise ValueError(f"{name} must have the shape of the ids {tuple(shape)}, got {tuple(values.shape)}")
     if not bool(torch.isfinite(values).all()):
         raise ValueError(f"{name} must be finite (no NaN or inf)")
+
+
+def _check_numbers_have_values(input_ids, numeric_values, num_token_id: int) -> None:
+    """`<NUM>` ids without `numeric_values` would be read as 0 (a tokenizer's `encode` returns ids only)."""
+    if numeric_values is None and isinstance(input_ids, torch.Tensor) and bool((input_ids == num_token_id).any()):
+        raise ValueError(
+            f"input_ids contain <NUM> (id {num_token_id}) but no numeric_values were given, so every number would "
+            "be read as 0. Pass the numeric_values the CausalQwenTokenizer returns with the ids (`tokenizer(text)`, "
+            "not `tokenizer.encode(text)`); with lm-evaluation-harness use `--model causal-qwen` "
+            "(causal_qwen.integrations.lm_eval)."
+        )
 
 
 def _load_qwen(model_or_path, dtype) -> Qwen2ForCausalLM:
