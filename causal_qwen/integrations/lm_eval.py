@@ -80,7 +80,6 @@ def _atan_difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(same_side, tail, torch.atan(a) - torch.atan(b))
 
 
-@register_model("causal-qwen", "causal_qwen")
 class CausalQwenLM(HFLM):
     """lm-eval's HFLM for CausalQwen checkpoints: numbers reach the model as values and are scored as values.
 
@@ -319,6 +318,10 @@ class CausalQwenLM(HFLM):
         return torch.tensor(rows, dtype=torch.long)
 
 
+if __name__ != "__main__":  # run as a script, the module registers when `main` imports it under its own name
+    register_model("causal-qwen", "causal_qwen")(CausalQwenLM)
+
+
 class _StopSequenceReader:
     """What lm-eval's stop-sequence criteria ask of a tokenizer, with each `<NUM>` read as a placeholder.
 
@@ -359,4 +362,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from causal_qwen.integrations.lm_eval import main as _main
+
+    _main()
