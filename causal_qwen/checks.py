@@ -8,7 +8,9 @@ import torch
 
 from .labels import IGNORE_INDEX
 
-__all__ = ["check_positive_finite", "check_ids", "check_values", "check_forward_inputs"]
+__all__ = [
+    "check_positive_finite", "check_ids", "check_values", "check_numbers_have_values", "check_forward_inputs",
+]
 
 
 def check_positive_finite(name: str, value) -> float:
@@ -42,6 +44,17 @@ def check_values(name: str, values: torch.Tensor, shape: torch.Size) -> None:
         raise ValueError(f"{name} must be finite (no NaN or inf)")
 
 
+def check_numbers_have_values(input_ids, numeric_values: torch.Tensor | None, num_token_id: int) -> None:
+    """`<NUM>` ids without `numeric_values` would be read as 0 (a tokenizer's `encode` returns ids only)."""
+    if numeric_values is None and isinstance(input_ids, torch.Tensor) and bool((input_ids == num_token_id).any()):
+        raise ValueError(
+            f"input_ids contain <NUM> (id {num_token_id}) but no numeric_values were given, so every number would "
+            "be read as 0. Pass the numeric_values the CausalQwenTokenizer returns with the ids (`tokenizer(text)`, "
+            "not `tokenizer.encode(text)`); with lm-evaluation-harness use `--model causal-qwen` "
+            "(causal_qwen.integrations.lm_eval)."
+        )
+
+
 def check_forward_inputs(
     config,
     input_ids: torch.Tensor | None,
@@ -62,6 +75,8 @@ def check_forward_inputs(
         check_values("numeric_values", numeric_values, input_ids.shape)
         if not config.use_numeric and bool((numeric_values != 0).any()):
             raise ValueError("numeric_values holds numbers but this model has use_numeric=False")
+    elif config.use_numeric:
+        check_numbers_have_values(input_ids, numeric_values, config.num_token_id)
     if labels is not None:
         reference = input_ids if input_ids is not None else inputs_embeds[..., 0]
         if labels.shape != reference.shape:

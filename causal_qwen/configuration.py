@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 
 from huggingface_hub.dataclasses import strict
@@ -14,6 +16,13 @@ _FLOAT_FIELDS = (
     "abduction_scale_init", "noise_init", "ovr_threshold", "gate_alpha", "reg_loss_weight", "scale_min",
     "abduction_anchor_weight", "regression_noise",
 )
+_BOOL_FIELDS = ("use_numeric", "freeze_backbone", "learnable_threshold", "detach_gate", "tie_word_embeddings")
+# Integer fields that may be None, with their smallest allowed value.
+_INT_FIELDS = {"num_token_id": 0, "causal_size": 1, "conversion_seed": 0}
+# Keywords that `PretrainedConfig` takes without a field of that name (it pops or converts them).
+_INIT_KEYWORDS = ("attn_implementation", "experts_implementation", "output_attentions", "num_labels", "torch_dtype",
+                  "rope_theta", "rope_scaling", "name_or_path")
+_CHECKED_FIELDS = frozenset((*_FLOAT_FIELDS, *_BOOL_FIELDS, *_INT_FIELDS, "value_transform", "value_head_fit"))
 
 
 @strict
@@ -115,11 +124,47 @@ class CausalQwenConfig(Qwen2Config):
         self._check_causal_fields()
         super().__post_init__(**kwargs)
 
+    def __setattr__(self, name, value):
+        # Every assignment of a causal field is checked on its own, during `__init__` (transformers sets each field
+        # with setattr), in `update`, in `from_pretrained(..., field=value)` and by hand (`config.ovr_threshold = -1`).
+        # The checks that relate two fields (causal_size = hidden_size, regression_noise needs use_numeric) run
+        # once the config is built, in `__post_init__` and when the model is built, so that `update` may change
+        # both fields in any order. The annotations above are strings (`from __future__ import annotations`),
+        # which `@strict` does not check: these checks raise a plain TypeError/ValueError that names the field.
+        if name in _CHECKED_FIELDS:
+            self._check_field(name, value)
+        super().__setattr__(name, value)
+
+    def _check_field(self, name: str, value) -> None:
+        if name in _BOOL_FIELDS:
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
+        elif name in _INT_FIELDS:
+            if value is None:
+                return
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int or None, got {type(value).__name__} {value!r}")
+            if value < _INT_FIELDS[name]:
+                raise ValueError(f"{name} must be at least {_INT_FIELDS[name]}, got {value}")
+            vocab_size = self.__dict__.get("vocab_size")
+            if name == "num_token_id" and isinstance(vocab_size, int) and value >= vocab_size:
+                raise ValueError(f"num_token_id must lie inside the vocabulary [0, {vocab_size}), got {value}")
+        elif name in _FLOAT_FIELDS:
+            if value is None and name == "regression_noise" and not self.__dict__.get("_post_init_done", False):
+                return  # resolved from use_numeric by __post_init__
+            _check_float(name, value)
+        elif name == "value_transform":
+            if value not in VALUE_TRANSFORMS:
+                raise ValueError(f"value_transform must be one of {VALUE_TRANSFORMS}, got {value!r}")
+        elif name == "value_head_fit" and value is not None and not isinstance(value, dict):
+            raise TypeError(f"value_head_fit must be a dict or None, got {type(value).__name__}")
+
     def _check_causal_fields(self) -> None:
-        for name in _FLOAT_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+        """Check every causal field and the relations between fields; a plain ValueError/TypeError names the field."""
+        for name in sorted(_CHECKED_FIELDS):
+            self._check_field(name, getattr(self, name))
+        if self.regression_noise is None:
+            raise TypeError("regression_noise must be a number, got NoneType")
         if self.causal_size != self.hidden_size:
             raise ValueError(
                 f"causal_size must equal hidden_size ({self.hidden_size}): the abduction network starts as "
@@ -129,22 +174,45 @@ class CausalQwenConfig(Qwen2Config):
             raise ValueError(
                 f"num_token_id must lie inside the vocabulary [0, {self.vocab_size}), got {self.num_token_id}"
             )
-        for name in ("abduction_scale_init", "scale_min"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a finite positive number, got {value}")
-        for name in ("noise_init", "reg_loss_weight", "abduction_anchor_weight", "regression_noise"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite non-negative number, got {value}")
-        if not math.isfinite(self.ovr_threshold):
-            raise ValueError(f"ovr_threshold must be finite, got {self.ovr_threshold}")
-        if not 0.0 <= self.gate_alpha <= 1.0:
-            raise ValueError(f"gate_alpha must lie in [0, 1], got {self.gate_alpha}")
         if self.regression_noise > 0 and not self.use_numeric:
             raise ValueError("regression_noise needs the regression head: use_numeric=False has none")
-        if self.value_transform not in VALUE_TRANSFORMS:
-            raise ValueError(f"value_transform must be one of {VALUE_TRANSFORMS}, got {self.value_transform!r}")
+
+    def validate_causal_fields(self) -> None:
+        """Part of `@strict` validation (`save_pretrained` runs it): every field and the relations between them."""
+        self._check_causal_fields()
+
+    @classmethod
+    def check_field_names(cls, names, where: str = "CausalQwenConfig") -> None:
+        """Raise a TypeError naming every name that is neither a field of the config nor one of its init keywords.
+
+        `PretrainedConfig` keeps unknown keywords as plain attributes, so a misspelt field (`ovr_treshold=3.0`)
+        would otherwise be ignored without a word; callers that take config fields as `**kwargs` check them here.
+        """
+        known = {field.name for field in dataclasses.fields(cls)} | set(cls.attribute_map) | set(_INIT_KEYWORDS)
+        unknown = [name for name in names if name not in known]
+        if unknown:
+            hints = []
+            for name in unknown:
+                close = difflib.get_close_matches(name, sorted(known), n=1)
+                hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise TypeError(f"{where} got unexpected keyword argument(s) {', '.join(hints)}: not fields of "
+                            f"{cls.__name__}")
+
+
+def _check_float(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if name in ("abduction_scale_init", "scale_min"):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite positive number, got {value}")
+    elif name in ("noise_init", "reg_loss_weight", "abduction_anchor_weight", "regression_noise"):
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be a finite non-negative number, got {value}")
+    elif name == "ovr_threshold":
+        if not math.isfinite(value):
+            raise ValueError(f"ovr_threshold must be finite, got {value}")
+    elif name == "gate_alpha" and not 0.0 <= value <= 1.0:
+        raise ValueError(f"gate_alpha must lie in [0, 1], got {value}")
 
 
 __all__ = ["CausalQwenConfig"]

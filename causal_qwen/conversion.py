@@ -57,6 +57,7 @@ def convert_qwen(
         seed: seed of the random draws (a non-negative int, default 0).
         **config_overrides: any field of [`CausalQwenConfig`], e.g. `num_token_id`, `ovr_threshold`.
     """
+    CausalQwenConfig.check_field_names(config_overrides, where="from_qwen()")
     generator = _conversion_generator(seed, config_overrides)
     source = _load_qwen(model_or_path, dtype)
     use_numeric = config_overrides.get("use_numeric", True)

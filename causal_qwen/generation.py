@@ -26,6 +26,7 @@ from transformers.generation.streamers import BaseStreamer, TextStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cauchy import uniform
+from .checks import check_numbers_have_values
 from .generation_options import GENERATION_MODES, check_generation_options
 
 __all__ = [
@@ -235,6 +236,9 @@ class CausalQwenGenerationMixin(GenerationMixin):
         )
         if kwargs.get("streamer") is not None and state.num_token_id is not None:
             kwargs["streamer"] = StreamerWithNumbers(kwargs["streamer"], state, numeric_values)
+        if state.num_token_id is not None:
+            check_numbers_have_values(inputs if inputs is not None else kwargs.get("input_ids"), numeric_values,
+                                      state.num_token_id)
         sampling_rng = global_rng_from(generator if mode == "traditional" else None)
         with sampling_rng:
             output = super().generate(

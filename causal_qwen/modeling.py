@@ -362,6 +362,7 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
 
     def __init__(self, config: CausalQwenConfig):
         super().__init__(config)
+        config.validate_causal_fields()  # fields set after the config was built are checked on their own only
         if config.use_numeric and config.num_token_id is None:
             raise ValueError("config.num_token_id is required when use_numeric=True (the id of <NUM>)")
         self.model = Qwen2Model(config)

@@ -13,6 +13,8 @@ from transformers.pipelines import PIPELINE_REGISTRY, TextGenerationPipeline
 from transformers.pipelines.text_generation import Chat, ReturnType
 from transformers.utils import logging
 
+from .pairing import check_tokenizer_matches
+
 __all__ = ["CausalQwenTextGenerationPipeline", "register_pipeline"]
 
 
@@ -27,6 +29,10 @@ class CausalQwenTextGenerationPipeline(TextGenerationPipeline):
     Generation arguments of CausalQwen (`mode`, `generator`, `shared_individual`, ...) pass through:
     `pipe(prompt, mode="causal", generator=torch.Generator().manual_seed(0), max_new_tokens=20)`.
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        check_tokenizer_matches(self.model, self.tokenizer)  # a mismatched pair would misread every number
 
     @property
     def _default_generation_config(self) -> GenerationConfig:

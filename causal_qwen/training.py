@@ -26,6 +26,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 
 from .checks import check_positive_finite
+from .pairing import check_tokenizer_matches
 from .value_head import fit_value_head
 
 __all__ = ["CausalQwenTrainer", "LEARNING_RATE_SCALES", "ValueHeadStartCallback", "parameter_groups"]
@@ -190,6 +191,7 @@ class CausalQwenTrainer(Trainer):
         if not isinstance(value_head_start, bool):
             raise TypeError(f"value_head_start must be True or False, got {value_head_start!r}")
         super().__init__(*args, **kwargs)
+        check_tokenizer_matches(self.model, self.processing_class)
         self._loss_parts: dict[str, list[float]] = {"cls_loss": [], "reg_loss": [], "loss": []}
         self.value_head_start = ValueHeadStartCallback(self) if value_head_start else None
         if self.value_head_start is not None:
