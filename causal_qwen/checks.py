@@ -75,8 +75,6 @@ def check_forward_inputs(
         check_values("numeric_values", numeric_values, input_ids.shape)
         if not config.use_numeric and bool((numeric_values != 0).any()):
             raise ValueError("numeric_values holds numbers but this model has use_numeric=False")
-    elif config.use_numeric:
-        check_numbers_have_values(input_ids, numeric_values, config.num_token_id)
     if labels is not None:
         reference = input_ids if input_ids is not None else inputs_embeds[..., 0]
         if labels.shape != reference.shape:
@@ -86,3 +84,5 @@ def check_forward_inputs(
             check_values("numeric_labels", numeric_labels, labels.shape)
         elif numeric_values is None and config.use_numeric and bool((labels == config.num_token_id).any()):
             raise ValueError("labels contain <NUM> but neither numeric_labels nor numeric_values was given")
+    if config.use_numeric:
+        check_numbers_have_values(input_ids, numeric_values, config.num_token_id)
