@@ -17,6 +17,8 @@ from torch import nn
 from transformers import Qwen2Model
 from transformers import initialization as init
 from transformers.cache_utils import Cache
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import ConversionOps, WeightConverter
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.qwen2.modeling_qwen2 import Qwen2PreTrainedModel
 from transformers.utils import ModelOutput, can_return_tuple
@@ -94,17 +96,28 @@ class CausalQwenNumericEmbedding(nn.Module):
         self.d_num = nn.Parameter(torch.zeros(config.hidden_size))
 
     def forward(
-        self, inputs_embeds: torch.Tensor, input_ids: torch.Tensor, numeric_values: torch.Tensor | None
+        self,
+        inputs_embeds: torch.Tensor,
+        input_ids: torch.Tensor,
+        numeric_values: torch.Tensor | None,
+        *,
+        keep_in_graph: bool = False,
     ) -> torch.Tensor:
-        """`inputs_embeds` `[B, S, H]`, `input_ids` and `numeric_values` `[B, S]` → `[B, S, H]`."""
+        """`inputs_embeds` `[B, S, H]`, `input_ids` and `numeric_values` `[B, S]` → `[B, S, H]`.
+
+        With `keep_in_graph`, a batch without numbers adds its zero terms all the same (the result is the same
+        tensor values), so that `d_num` and `w_num` are in the autograd graph of every batch.
+        """
         is_num = input_ids == self.num_token_id
         has_values = numeric_values is not None and bool((numeric_values != 0).any())
-        if not has_values and not bool(is_num.any()):
+        if not keep_in_graph and not has_values and not bool(is_num.any()):
             # Nothing to add; returning the embedding unchanged also keeps d_num and w_num out of the graph, so a
             # text-only training step does not backpropagate through the frozen backbone.
             return inputs_embeds
         embeds = inputs_embeds + is_num.unsqueeze(-1).to(inputs_embeds.dtype) * self.d_num.to(inputs_embeds.dtype)
-        if has_values:
+        if keep_in_graph and numeric_values is None:
+            numeric_values = torch.zeros(input_ids.shape, dtype=torch.float64, device=input_ids.device)
+        if has_values or keep_in_graph:
             # symlog in float64 keeps the 16 significant digits of the tokenizer's values.
             magnitude = symlog(numeric_values.to(torch.float64)).to(inputs_embeds.dtype)
             embeds = embeds + magnitude.unsqueeze(-1) * self.w_num.to(inputs_embeds.dtype)
@@ -161,7 +174,10 @@ class CausalQwenAction(nn.Module):
 
     Every use of the heads goes through this module: the forward pass and its loss (`forward`), generation and
     metrics (`head_inputs`, `classify`, `regress`, `margin`), so that each formula is written once. `forward` is
-    also where sharding engines gather the heads' weights.
+    also where sharding engines gather the heads' weights. It reads `cls_head.weight` and `reg_head.weight` without
+    calling those modules, so FSDP must gather them with the action network (accelerate's FSDP2 puts it in the
+    root's unit, docs/training.md), and DeepSpeed ZeRO-3 must know them as external parameters of this module
+    (`register_zero3_heads`, done when the model is built under ZeRO-3 and by `CausalQwenTrainer`).
     """
 
     def __init__(self, config: CausalQwenConfig):
@@ -169,8 +185,9 @@ class CausalQwenAction(nn.Module):
         self.config = config
         self.cls_head = nn.Linear(config.causal_size, config.vocab_size, bias=True)
         self.reg_head = nn.Linear(config.causal_size, 1) if config.use_numeric else None
-        # A log-parameter: the value's noise scale has to move over orders of magnitude at Adam's fixed step.
-        self.reg_log_noise = nn.Parameter(torch.zeros(())) if config.regression_noise > 0 else None
+        # A log-parameter: the value's noise scale has to move over orders of magnitude at Adam's fixed step. Shape
+        # [1], not [] (checkpoints of shape [] load): FSDP2's fully_shard and DeepSpeed take no 0-dim parameter.
+        self.reg_log_noise = nn.Parameter(torch.zeros(1)) if config.regression_noise > 0 else None
         self.b_noise = nn.Parameter(torch.zeros(config.causal_size))
         threshold = torch.full((config.vocab_size,), float(config.ovr_threshold))
         if config.learnable_threshold:
@@ -179,6 +196,31 @@ class CausalQwenAction(nn.Module):
             self.register_buffer("threshold", threshold, persistent=True)
         self.scale_min = config.scale_min
         self._abs_weight_cache: tuple[tuple, torch.Tensor] | None = None
+        if _deepspeed_zero3_enabled():
+            self.register_zero3_heads()
+
+    def register_zero3_heads(self) -> None:
+        """Tell DeepSpeed ZeRO-3 to gather the heads' parameters around this module's forward and backward.
+
+        ZeRO-3 partitions every parameter and gathers a module's own parameters when the module is called;
+        `forward` reads those of `cls_head` and `reg_head` without calling them, which DeepSpeed's
+        `register_external_parameter` is for. Idempotent; call it again after replacing a head.
+        """
+        import deepspeed  # deepspeed.zero is an attribute of the package, not a module of its own
+
+        for head in (self.cls_head, self.reg_head):
+            if head is not None:
+                for param in head.parameters():
+                    deepspeed.zero.register_external_parameter(self, param)
+
+    def _check_zero3_heads(self) -> None:
+        weight = self.cls_head.weight
+        if hasattr(weight, "ds_id") and id(weight) not in getattr(self, "_external_params", {}):
+            raise RuntimeError(
+                "DeepSpeed ZeRO-3 partitions the heads, and the action network reads them in its forward: call "
+                "model.action.register_zero3_heads() before deepspeed.initialize (CausalQwenTrainer does, and so does "
+                "building the model after TrainingArguments with a ZeRO-3 config)"
+            )
 
     def forward(
         self,
@@ -204,6 +246,7 @@ class CausalQwenAction(nn.Module):
             loss_options: the loss's options; by default `LossOptions.from_config(self.config)`.
             chunk_size, vocab_chunk_size, memory_budget: tiling of the fused loss (`chunked_loss.chunked_ovr_loss`).
         """
+        self._check_zero3_heads()
         scale = self.noisy_scale(scale_u)
         loc_s = scale_s = loc_y = scale_y = None
         if output_distributions:
@@ -222,12 +265,35 @@ class CausalQwenAction(nn.Module):
                     numeric_labels, scale_min=self.scale_min, num_items_in_batch=num_items_in_batch,
                     chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size, memory_budget=memory_budget, **options,
                 )
+            if self.training:
+                losses.loss = losses.loss + self._unused_value_head_zero()
         return CausalQwenActionOutput(
             loss=losses.loss if losses is not None else None,
             cls_loss=losses.cls_loss if losses is not None else None,
             reg_loss=losses.reg_loss if losses is not None else None,
             loc_S=loc_s, scale_S=scale_s, loc_Y=loc_y, scale_Y=scale_y,
         )
+
+    def _unused_value_head_zero(self) -> torch.Tensor | float:
+        """0 · the value head's trainable parameters: a batch without a `<NUM>` target leaves them out of the loss.
+
+        Data-parallel and sharding engines wait for a gradient of every trainable parameter (DDP without looking
+        for unused ones, as under activation checkpointing; FSDP and DeepSpeed reduce the same parameters in the
+        same order on every rank), so each training loss touches them: their gradient is then exactly 0. It is
+        read here, in the module's own forward, where sharding engines have gathered the parameters.
+        """
+        params = [p for p in (*(self.reg_head.parameters() if self.reg_head is not None else ()), self.reg_log_noise)
+                  if p is not None and p.requires_grad]
+        if not params:
+            return 0.0
+        return 0.0 * torch.stack([p.sum() for p in params]).sum()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Checkpoints written before reg_log_noise became a [1] vector hold it as a 0-dim tensor.
+        key = prefix + "reg_log_noise"
+        if key in state_dict and state_dict[key].dim() == 0:
+            state_dict[key] = state_dict[key].reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def noisy_scale(self, scale_u: torch.Tensor) -> torch.Tensor:
         """scale_U' = scale_U + |b_noise|: the noise is Cauchy, so its scale adds to U's."""
@@ -295,7 +361,7 @@ class CausalQwenAction(nn.Module):
         loc_y, scale_y = cauchy.linear(loc, scale, self.reg_head.weight, self.reg_head.bias)
         scale_y = scale_y.squeeze(-1)
         if self.reg_log_noise is not None:
-            scale_y = scale_y + self.reg_log_noise.exp().to(scale_y.dtype)
+            scale_y = scale_y + self.reg_log_noise.exp().to(scale_y.dtype).reshape(())
         return loc_y.squeeze(-1), scale_y.clamp(min=self.scale_min)
 
     def ovr_probability(self, loc_s: torch.Tensor, scale_s: torch.Tensor) -> torch.Tensor:
@@ -309,6 +375,27 @@ class CausalQwenAction(nn.Module):
         function and without P's loss of resolution near 1.
         """
         return (loc_s.float() - self.threshold.float()) / scale_s.float()
+
+
+def _deepspeed_zero3_enabled() -> bool:
+    """transformers' flag for a model built under ZeRO-3 (TrainingArguments or HfDeepSpeedConfig made first)."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    return is_deepspeed_zero3_enabled()
+
+
+def _sharded_training() -> bool:
+    """Whether this forward runs in a process group and not inside DistributedDataParallel.
+
+    That is: under a sharding engine (FSDP, DeepSpeed), which all-gathers parameters in the backward pass of the
+    modules it goes through and reduces gradients in the order they come (DeepSpeed's buckets), so every rank must
+    build the same graph; and whose parameters, outside their module's forward, are shards or empty placeholders
+    (ZeRO-3 partitions them even in a single process). DDP needs only a gradient of every parameter; a single
+    process without a process group needs nothing, and gets `False` from the first, cheap call.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    return nn.parallel.DistributedDataParallel._get_active_ddp_module() is None
 
 
 def inverse_softplus(y: float) -> float:
@@ -415,10 +502,14 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
         """
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         check_forward_inputs(self.config, input_ids, numeric_values, inputs_embeds, labels, numeric_labels)
+        # Under a sharding engine every rank must run the same collectives, so every training batch goes through
+        # the numeric embedding (and so backpropagates through the backbone), numbers or not.
+        same_graph = self.training and labels is not None and _sharded_training()
         if inputs_embeds is None:
             inputs_embeds = self.model.embed_tokens(input_ids)
             if self.numeric_embedding is not None:
-                inputs_embeds = self.numeric_embedding(inputs_embeds, input_ids, numeric_values)
+                inputs_embeds = self.numeric_embedding(inputs_embeds, input_ids, numeric_values,
+                                                       keep_in_graph=same_graph)
 
         outputs = self.model(
             inputs_embeds=inputs_embeds,
@@ -448,7 +539,7 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
             logits = heads.loc_S
             if labels is not None:
                 heads.loss = heads.loss + self._extra_training_loss(hidden_states, loc_u, scale_u, labels,
-                                                                    num_items_in_batch)
+                                                                    num_items_in_batch, same_graph)
 
         return CausalQwenOutput(
             loss=heads.loss,
@@ -473,18 +564,21 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
         scale_u: torch.Tensor,
         labels: torch.Tensor,
         num_items_in_batch: int | torch.Tensor | None,
+        numeric_embedding_in_graph: bool = False,
     ) -> torch.Tensor:
-        """The anchor term β·KL (docs/design.md §7), plus 0 · the parameters a batch may leave unused.
+        """The anchor term β·KL (docs/design.md §7), plus 0 · the numeric embedding's parameters.
 
         The anchor term is the mean over positions with a (shifted) label of Σ_c KL(U ‖ U⁰), U⁰ from the frozen
         anchor; with `num_items_in_batch` (Trainer with gradient accumulation or several devices) the sum is divided
         by it instead, like the classification loss, so that summing micro-batch losses gives the overall mean.
 
-        A batch without numbers leaves the numeric embedding out of the graph, and one without a `<NUM>` target
-        leaves the regression head out. Distributed data parallel training waits for a gradient of every
-        trainable parameter (unless told to look for unused ones, which it is not under activation
-        checkpointing), so each training loss touches them; their gradient is then exactly 0, and no backward
-        pass through the backbone is added.
+        A batch without numbers leaves the numeric embedding out of the graph (and one without a `<NUM>` target
+        leaves the regression head out: `CausalQwenAction` touches that one). Distributed data parallel training
+        waits for a gradient of every trainable parameter (unless told to look for unused ones, which it is not
+        under activation checkpointing), so each training loss touches them; their gradient is then exactly 0,
+        and no backward pass through the backbone is added. Under a sharding engine the numeric embedding is in
+        the graph of every batch already (`numeric_embedding_in_graph`), and its parameters are not read here,
+        outside its forward, where they may be a shard or an empty placeholder.
         """
         extra = loc_u.new_zeros((), dtype=torch.float32)
         if self.abduction_anchor is not None:
@@ -494,10 +588,8 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
             valid = next_token_targets(labels)[0] != IGNORE_INDEX
             denominator = num_items_in_batch if num_items_in_batch is not None else valid.sum()
             extra = extra + self.config.abduction_anchor_weight * safe_mean(kl[valid].sum(), denominator)
-        if self.training:
-            modules = (self.numeric_embedding, self.action.reg_head)
-            params = [p for m in modules if m is not None for p in m.parameters()] + [self.action.reg_log_noise]
-            touched = [p.sum() for p in params if p is not None and p.requires_grad]
+        if self.training and self.numeric_embedding is not None and not numeric_embedding_in_graph:
+            touched = [p.sum() for p in self.numeric_embedding.parameters() if p.requires_grad]
             if touched:
                 extra = extra + 0.0 * torch.stack(touched).sum()
         return extra
@@ -580,3 +672,24 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
 
 
     from_qwen = classmethod(convert_qwen)
+
+
+class _VectorOfOne(ConversionOps):
+    """Load `action.reg_log_noise` of a checkpoint written while it was 0-dim as the `[1]` vector it is now."""
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        (tensors,) = input_dict.values()
+        tensor = tensors[0] if isinstance(tensors, list) else tensors
+        return {target_patterns[0]: tensor.reshape(1)}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return _VectorOfOne()
+
+
+register_checkpoint_conversion_mapping(
+    CausalQwenForCausalLM.__name__,
+    [WeightConverter("action.reg_log_noise", "action.reg_log_noise", operations=[_VectorOfOne()])],
+    overwrite=True,
+)

@@ -192,6 +192,11 @@ class CausalQwenTrainer(Trainer):
             raise TypeError(f"value_head_start must be True or False, got {value_head_start!r}")
         super().__init__(*args, **kwargs)
         check_tokenizer_matches(self.model, self.processing_class)
+        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+            # ZeRO-3 partitions every parameter; the action network reads its heads' in its own forward.
+            for module in self.model.modules():
+                if hasattr(module, "register_zero3_heads"):
+                    module.register_zero3_heads()
         self._loss_parts: dict[str, list[float]] = {"cls_loss": [], "reg_loss": [], "loss": []}
         self.value_head_start = ValueHeadStartCallback(self) if value_head_start else None
         if self.value_head_start is not None:
