@@ -137,6 +137,9 @@ class ValueHeadStartCallback(TrainerCallback):
     The rows come from the training set read in order (the evaluation loader of `trainer.train_dataset`, so it does
     not consume the random state that shuffles training). Under several processes each reads its own shard and
     the fit of process 0 is broadcast, so every replica starts from the same head.
+
+    Under FSDP or DeepSpeed the engine splits or copies the parameters when training starts, before
+    `on_train_begin`; `CausalQwenTrainer.train` then calls `fit_unwrapped` on the bare model first.
     """
 
     def __init__(self, trainer: Trainer, max_positions: int = 4096):
@@ -145,10 +148,23 @@ class ValueHeadStartCallback(TrainerCallback):
         self.fit = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        model = self.trainer.model if model is None else model
+        self._fit(self.trainer.model if model is None else model, state.global_step > 0)
+
+    def fit_unwrapped(self, model, resuming: bool) -> None:
+        """The fit of `on_train_begin`, on the model before a sharding engine wraps it."""
+        head = getattr(getattr(model, "action", None), "reg_head", None)
+        if head is not None and hasattr(head.weight, "ds_id"):
+            raise RuntimeError(
+                "The model is partitioned by DeepSpeed ZeRO-3 (built after TrainingArguments), so the value head "
+                "cannot be fitted before training: fit it first (fit_value_head on a model built before "
+                "TrainingArguments, then save_pretrained), or pass value_head_start=False"
+            )
+        self._fit(model, resuming)
+
+    def _fit(self, model, resuming: bool) -> None:
         config = getattr(model, "config", None)
         if (config is None or not getattr(config, "use_numeric", False) or getattr(model, "action", None) is None
-                or config.value_head_fit is not None or state.global_step > 0):
+                or config.value_head_fit is not None or resuming):
             return
         loader = self.trainer.get_eval_dataloader(self.trainer.train_dataset)
         # With persistent workers Trainer keeps the loader under "eval"; evaluation must not find this one there.
@@ -201,6 +217,12 @@ class CausalQwenTrainer(Trainer):
         self.value_head_start = ValueHeadStartCallback(self) if value_head_start else None
         if self.value_head_start is not None:
             self.add_callback(self.value_head_start)
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if self.value_head_start is not None and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            # FSDP shards the parameters, DeepSpeed copies them into its optimizer, when training starts: fit first.
+            self.value_head_start.fit_unwrapped(self.model, resuming=bool(resume_from_checkpoint))
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
         """`Trainer.create_optimizer` with the groups of `parameter_groups` (biases and norms without decay)."""

@@ -187,6 +187,7 @@ def main() -> None:
     parser.add_argument("--save-steps", type=int, default=0)
     parser.add_argument("--resume")
     parser.add_argument("--regression-noise", type=float, default=1.0)
+    parser.add_argument("--value-head-start", action="store_true")
     a = parser.parse_args()
     out = Path(a.out_dir)
     run_sharding_engines_on_cpu()
@@ -218,11 +219,13 @@ def main() -> None:
     else:
         model = build_model(a.regression_noise)
     trainer = CausalQwenTrainer(model=model, args=args, train_dataset=dataset(uneven=a.uneven),
-                                data_collator=CausalQwenDataCollator(0), value_head_start=False)
+                                data_collator=CausalQwenDataCollator(0), value_head_start=a.value_head_start)
     trainer.train(resume_from_checkpoint=a.resume)
     params = full_trainable_parameters(trainer)
     memory = resident_bytes(trainer)
     trainer.save_model(str(out / "model"))
+    if trainer.is_world_process_zero():
+        (out / "value_head_fit.json").write_text(json.dumps(model.config.value_head_fit))
     rank = trainer.args.process_index
     out.mkdir(parents=True, exist_ok=True)
     (out / f"memory-{rank}.json").write_text(json.dumps({**memory, "engine": a.engine, "wrapped": wrapped(trainer),
