@@ -206,12 +206,14 @@ class CausalQwenAction(nn.Module):
         `forward` reads those of `cls_head` and `reg_head` without calling them, which DeepSpeed's
         `register_external_parameter` is for. Idempotent; call it again after replacing a head.
         """
-        import deepspeed  # deepspeed.zero is an attribute of the package, not a module of its own
-
+        try:  # in a try block, so that the remote-code copy of this file does not require deepspeed
+            from deepspeed import zero
+        except ImportError as error:
+            raise ImportError("register_zero3_heads is for DeepSpeed ZeRO-3 and needs deepspeed") from error
         for head in (self.cls_head, self.reg_head):
             if head is not None:
                 for param in head.parameters():
-                    deepspeed.zero.register_external_parameter(self, param)
+                    zero.register_external_parameter(self, param)
 
     def _check_zero3_heads(self) -> None:
         weight = self.cls_head.weight
