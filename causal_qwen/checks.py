@@ -55,6 +55,27 @@ def check_numbers_have_values(input_ids, numeric_values: torch.Tensor | None, nu
         )
 
 
+def _check_shift_labels(config, shape, shift_labels, shift_numeric_labels, has_values: bool) -> None:
+    """Already-shifted targets: ids of the inputs' shape; a `<NUM>` target needs its value."""
+    if shift_labels.shape != shape:
+        raise ValueError(f"shift_labels must have shape {tuple(shape)}, got {tuple(shift_labels.shape)}")
+    check_ids("shift_labels", shift_labels, config.vocab_size, allow_ignore=True)
+    if shift_numeric_labels is not None:
+        check_values("shift_numeric_labels", shift_numeric_labels, shift_labels.shape)
+        return
+    if not config.use_numeric or shift_labels.numel() == 0:
+        return
+    is_num = shift_labels == config.num_token_id
+    if bool(is_num.any()) and not has_values:
+        raise ValueError("shift_labels contain <NUM> but none of shift_numeric_labels, numeric_labels and "
+                         "numeric_values was given")
+    if bool(is_num[:, -1].any()):
+        # Shifting numeric_labels leaves the last position without a value: its target lies beyond the sequence
+        # (the next shard, under context parallelism).
+        raise ValueError("shift_labels has a <NUM> target at the last position, whose value lies beyond the "
+                         "sequence: pass shift_numeric_labels (the values of shift_labels, already shifted)")
+
+
 def check_forward_inputs(
     config,
     input_ids: torch.Tensor | None,
@@ -62,6 +83,8 @@ def check_forward_inputs(
     inputs_embeds: torch.Tensor | None,
     labels: torch.Tensor | None,
     numeric_labels: torch.Tensor | None,
+    shift_labels: torch.Tensor | None = None,
+    shift_numeric_labels: torch.Tensor | None = None,
 ) -> None:
     """Reject inputs of `CausalQwenForCausalLM.forward` that would otherwise give a silent wrong result."""
     vocab = config.vocab_size
@@ -75,8 +98,8 @@ def check_forward_inputs(
         check_values("numeric_values", numeric_values, input_ids.shape)
         if not config.use_numeric and bool((numeric_values != 0).any()):
             raise ValueError("numeric_values holds numbers but this model has use_numeric=False")
+    reference = input_ids if input_ids is not None else inputs_embeds[..., 0]
     if labels is not None:
-        reference = input_ids if input_ids is not None else inputs_embeds[..., 0]
         if labels.shape != reference.shape:
             raise ValueError(f"labels must have shape {tuple(reference.shape)}, got {tuple(labels.shape)}")
         check_ids("labels", labels, vocab, allow_ignore=True)
@@ -84,5 +107,12 @@ def check_forward_inputs(
             check_values("numeric_labels", numeric_labels, labels.shape)
         elif numeric_values is None and config.use_numeric and bool((labels == config.num_token_id).any()):
             raise ValueError("labels contain <NUM> but neither numeric_labels nor numeric_values was given")
+    if numeric_labels is not None and labels is None:
+        check_values("numeric_labels", numeric_labels, reference.shape)
+    if shift_labels is not None:
+        _check_shift_labels(config, reference.shape, shift_labels, shift_numeric_labels,
+                            has_values=numeric_labels is not None or numeric_values is not None)
+    elif shift_numeric_labels is not None:
+        raise ValueError("shift_numeric_labels are the values of shift_labels; pass shift_labels with them")
     if config.use_numeric:
         check_numbers_have_values(input_ids, numeric_values, config.num_token_id)
