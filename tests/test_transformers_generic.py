@@ -9,8 +9,9 @@ Both classes below run the same checks on the same tiny configuration (transform
 `Qwen2Model` that `AutoModel` gives for a CausalQwen config) and `CausalQwenForCausalLM`. Qwen2's task heads (question
 answering, sequence and token classification), which CausalQwen has no counterpart of, are left out of both. A check
 that passes for Qwen2 and fails for CausalQwen is a bug of CausalQwen, unless it is listed in `GENERATION_XFAILS`
-(generation, reworked separately: expected failures until then). `TestCausalQwenGeneric` adapts three hooks of the
-mixins, each for the one reason given where it is defined: inputs never hold `<NUM>` without `numeric_values`.
+(generation, reworked separately: expected failures until then). No check is excluded. `TestCausalQwenGeneric`
+adapts two hooks of the mixins so that their inputs and targets never hold `<NUM>` without values (CausalQwen's forward
+rejects that), and asks for one check that transformers runs only for its newer models; each says why where it is set.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ _tree_tests = sys.modules.get("tests")
 if _tree_tests is not None and not str(getattr(_tree_tests, "__file__", "") or "").startswith(str(TREE)):
     pytest.skip("another package named `tests` is already imported; run this module on its own",
                 allow_module_level=True)
-
 
 
 def _installed_transformers(path, file="__init__.py"):
