@@ -424,8 +424,6 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
         logits_to_keep: int | torch.Tensor = 0,
         output_distributions: bool | None = None,
         generation_state: CausalGenerationState | None = None,
-        shift_labels: torch.LongTensor | None = None,
-        shift_numeric_labels: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalQwenOutput:
         r"""
@@ -446,11 +444,11 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
             generation_state (`CausalGenerationState`, *optional*): set by `generate`; the heads then run
                 at the last position only, in the generation mode, and `logits` holds that mode's
                 decision scores.
-            shift_labels (`torch.LongTensor` of shape `(B, S)`, *optional*):
+            shift_labels (`torch.LongTensor` of shape `(B, S)`, *optional*, a keyword in `kwargs` as in Qwen2):
                 Targets already shifted (`shift_labels[:, i]` is the target of position i), as context-parallel
                 training passes them (Trainer, accelerate; transformers' `ForCausalLMLoss` takes them alike): the loss
                 is computed from them instead of from the shift of `labels`.
-            shift_numeric_labels (`torch.Tensor` of shape `(B, S)`, *optional*):
+            shift_numeric_labels (`torch.Tensor` of shape `(B, S)`, *optional*, a keyword in `kwargs`):
                 The values of `shift_labels`, already shifted. By default `numeric_labels` (or `numeric_values`) is
                 shifted like the labels, which cannot give the value of the last position's target: a `<NUM>` target
                 there needs `shift_numeric_labels`.
@@ -459,6 +457,10 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
             [`CausalQwenOutput`].
         """
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        # Keywords, not parameters: Trainer takes every forward parameter named "*label*" for a label it must be given
+        # (`label_names`), and these come only with context parallelism.
+        shift_labels = kwargs.pop("shift_labels", None)
+        shift_numeric_labels = kwargs.pop("shift_numeric_labels", None)
         check_forward_inputs(self.config, input_ids, numeric_values, inputs_embeds, labels, numeric_labels,
                              shift_labels, shift_numeric_labels)
         has_targets = labels is not None or shift_labels is not None

@@ -591,6 +591,13 @@ def test_shift_labels_give_the_loss_of_the_unshifted_labels(tiny_qwen, training)
         expected.loss.item(), rel=1e-4)
 
 
+def test_shift_labels_are_keywords_not_labels_trainer_waits_for():
+    # Trainer takes every forward parameter named "*label*" for a label each batch must carry.
+    from transformers.utils import find_labels
+
+    assert find_labels(CausalQwenForCausalLM) == ["labels", "numeric_labels"]
+
+
 def test_shift_labels_of_a_shard_take_the_values_beyond_it(tiny_qwen):
     """Context parallelism shifts the whole sequence, then gives each device a shard: the last target of a shard
     is the first token of the next, and its value comes with `shift_numeric_labels`."""
