@@ -23,7 +23,7 @@ from transformers.utils import ModelOutput, can_return_tuple
 
 from . import cauchy
 from .cauchy import kl_divergence, quantile, symlog
-from .checks import check_forward_inputs
+from .checks import check_forward_inputs, check_forward_replacement
 from .configuration import CausalQwenConfig
 from .conversion import convert_qwen
 from .generation import CausalGenerationState, CausalQwenGenerationMixin
@@ -571,6 +571,12 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
         if mode:
             self.action.clear_cache()  # training steps read W_cls itself, never the cached |W_cls|
         return super().train(mode)
+
+    def __setattr__(self, name: str, value) -> None:
+        # TRL's trainers install a softmax LM head over the bare backbone as `forward`: refused (docs/design.md §10).
+        if name == "forward" and not check_forward_replacement(value):
+            return
+        super().__setattr__(name, value)
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.action.cls_head
