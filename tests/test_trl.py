@@ -126,3 +126,17 @@ def test_options_that_would_drop_the_numbers_or_the_loss_are_refused(model, toke
     with pytest.raises(ValueError, match="not supported"):
         CausalQwenSFTTrainer(model=model, args=config(tmp_path, **option), processing_class=tokenizer,
                              train_dataset=Dataset.from_list([{"text": t} for t in TEXTS]))
+
+
+def test_lora_through_peft_config_trains_adapters_and_causal_modules(model, tokenizer, tmp_path):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                      modules_to_save=["numeric_embedding", "abduction", "action"])
+    trainer = CausalQwenSFTTrainer(model=model, args=config(tmp_path, max_steps=2), processing_class=tokenizer,
+                                   train_dataset=Dataset.from_list([{"text": t} for t in TEXTS]), peft_config=lora)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    moved = {n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])}
+    for part in ("lora_A", "abduction.modules_to_save", "reg_head", "numeric_embedding.modules_to_save"):
+        assert any(part in n for n in moved), part
