@@ -17,6 +17,7 @@ import torch
 
 __all__ = [
     "linear",
+    "linear_by_blocks",
     "cdf",
     "ovr_probability",
     "ovr_log_probs",
@@ -48,6 +49,43 @@ def linear(
     out_loc = torch.nn.functional.linear(loc, weight, bias)
     out_scale = torch.nn.functional.linear(scale, weight.abs())
     return out_loc, out_scale
+
+
+# Bytes of |W| built at a time by `linear_by_blocks`: within a CPU core's L2 cache, so that each block of W is read
+# from memory once (for loc) and its absolute value stays in cache for scale; on CUDA, large blocks (few launches).
+_BLOCK_BYTES = {"cpu": 2 << 20, "cuda": 64 << 20}
+
+
+@torch.no_grad()
+def linear_by_blocks(
+    loc: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    block_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`linear` without autograd, taking W a block of rows at a time: |W| is never built whole, nor kept.
+
+    Each block of W gives its slice of loc and, through its absolute value in a reused buffer, of scale. At a few
+    positions (a generation step) this costs about what a cached |W| would (W is read once from memory, the buffer
+    stays in cache), and it cannot go stale, whatever writes W (`weight.data.lerp_` of an EMA included).
+    """
+    out_features, in_features = weight.shape
+    if block_rows is None:
+        budget = _BLOCK_BYTES.get(weight.device.type, _BLOCK_BYTES["cuda"])
+        block_rows = max(1, budget // (in_features * weight.element_size()))
+    lead = loc.shape[:-1]
+    loc2, scale2 = loc.reshape(-1, in_features), scale.reshape(-1, in_features)
+    out_loc = loc2.new_empty(loc2.shape[0], out_features)
+    out_scale = scale2.new_empty(scale2.shape[0], out_features)
+    buffer = weight.new_empty(min(block_rows, out_features), in_features)
+    for start in range(0, out_features, block_rows):
+        block = weight[start:start + block_rows]
+        rows = block.shape[0]
+        abs_block = torch.abs(block, out=buffer[:rows])
+        if bias is None:
+            out_loc[:, start:start + rows] = loc2 @ block.T
+        else:
+            out_loc[:, start:start + rows] = torch.addmm(bias[start:start + rows], loc2, block.T)
+        out_scale[:, start:start + rows] = scale2 @ abs_block.T
+    return out_loc.reshape(*lead, out_features), out_scale.reshape(*lead, out_features)
 
 
 def cdf(x: torch.Tensor, loc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

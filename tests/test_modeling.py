@@ -351,7 +351,7 @@ def test_real_qwen25_init_matches_qwen(qwen25_dir):
     assert torch.isfinite(out.scale_S).all() and torch.isfinite(out.loc_Y).all()
 
 
-def test_abs_weight_cache_follows_weight_updates(tiny_qwen):
+def test_scale_s_follows_weight_updates(tiny_qwen):
     model = build(tiny_qwen)
     ids = torch.randint(0, 100, (1, 5))
     with torch.no_grad():
@@ -361,8 +361,36 @@ def test_abs_weight_cache_follows_weight_updates(tiny_qwen):
         expected = (first.scale_U + model.action.b_noise.abs()) @ model.action.cls_head.weight.abs().T
     torch.testing.assert_close(second.scale_S, expected.clamp(min=model.config.scale_min))
     torch.testing.assert_close(second.scale_S, 3.0 * first.scale_S)
-    model.action.clear_cache()
-    assert model.action._abs_weight_cache is None
+
+
+# EMA and weight averaging write through `.data`, which does not bump the parameter's version counter.
+DATA_WRITES = {
+    "mul_": lambda w, other: w.data.mul_(-3.0),
+    "copy_": lambda w, other: w.data.copy_(other),
+    "lerp_": lambda w, other: w.data.lerp_(other, 0.5),
+    "zero_": lambda w, other: w.data[:60].zero_(),
+}
+
+
+@pytest.mark.parametrize("write", sorted(DATA_WRITES))
+def test_generation_follows_writes_through_data(tiny_qwen, write):
+    model = build(tiny_qwen)
+    randomize_heads(model)
+    ids = torch.randint(0, 100, (2, 5))
+    weight = model.action.cls_head.weight
+    other = torch.randn(weight.shape, generator=torch.Generator().manual_seed(3)) * weight.abs().mean()
+    with torch.no_grad():
+        model(ids)
+        model.generate(ids, max_new_tokens=6, do_sample=False)
+        DATA_WRITES[write](weight, other)
+        out = model(ids)
+        got = model.generate(ids, max_new_tokens=6, do_sample=False)
+    expected = (out.scale_U + model.action.b_noise.abs()) @ weight.abs().T
+    torch.testing.assert_close(out.scale_S, expected.clamp(min=model.config.scale_min))
+    fresh = build(tiny_qwen)
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(got, fresh.generate(ids, max_new_tokens=6, do_sample=False))
 
 
 def test_text_only_training_step_skips_the_backbone_backward(tiny_qwen):
