@@ -13,7 +13,7 @@ from .labels import IGNORE_INDEX
 
 __all__ = [
     "check_positive_finite", "check_ids", "check_values", "check_numbers_have_values", "check_forward_inputs",
-    "check_forward_replacement", "keeping_own_forward",
+    "check_values_at_numbers", "check_forward_replacement", "keeping_own_forward",
 ]
 
 
@@ -90,6 +90,26 @@ def check_forward_inputs(
             raise ValueError("labels contain <NUM> but neither numeric_labels nor numeric_values was given")
     if config.use_numeric:
         check_numbers_have_values(input_ids, numeric_values, config.num_token_id)
+        if numeric_values is not None:
+            check_values_at_numbers(input_ids, numeric_values, config.num_token_id)
+
+
+def check_values_at_numbers(input_ids: torch.Tensor, numeric_values: torch.Tensor, num_token_id: int) -> None:
+    """Values only at `<NUM>` ids, 0 elsewhere (docs/design.md §1).
+
+    The numeric embedding adds every value, so one off a `<NUM>` would move the output silently; the tokenizer,
+    the collator and `generate` write 0 there. A value elsewhere means the values do not belong to these ids
+    (shifted, truncated or padded apart), and then the `<NUM>` positions' values are wrong too: refused.
+    """
+    stray = (numeric_values != 0) & (input_ids != num_token_id)
+    if bool(stray.any()):
+        first = [int(i) for i in stray.nonzero()[0]]
+        raise ValueError(
+            f"numeric_values holds a value at {int(stray.sum())} position(s) whose id is not <NUM> (id "
+            f"{num_token_id}), the first at {first}: values belong to <NUM> positions and are 0 elsewhere, so "
+            "numeric_values is not aligned with input_ids (pass the ids and values the CausalQwenTokenizer returns "
+            "together, padded and truncated together)."
+        )
 
 
 # Set while `causal_qwen.integrations.trl` builds a TRL trainer that computes the model's own loss: TRL's fused head is

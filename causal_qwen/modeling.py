@@ -381,7 +381,8 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
         Args:
             input_ids (`torch.LongTensor` of shape `(B, S)`): token ids, `<NUM>` where a number stands.
             numeric_values (`torch.Tensor` of shape `(B, S)`, *optional*):
-                The value of each `<NUM>`, 0 elsewhere (float64 from the tokenizer keeps every digit).
+                The value of each `<NUM>`, 0 elsewhere (float64 from the tokenizer keeps every digit); a value at
+                another id raises `ValueError` (the values would not be aligned with the ids).
             labels (`torch.LongTensor` of shape `(B, S)`, *optional*):
                 Next-token targets, unshifted, −100 where no loss is wanted.
             numeric_labels (`torch.Tensor` of shape `(B, S)`, *optional*):

@@ -280,6 +280,26 @@ def test_value_interval_is_exact_under_symlog(tiny_qwen):
         model.value_interval(loc_y, scale_y, coverage=1.5)
 
 
+def test_a_value_off_num_raises_instead_of_moving_the_output(tiny_qwen):
+    # Values belong to <NUM> positions (0 elsewhere); one elsewhere means values and ids are misaligned.
+    model = build(tiny_qwen)
+    ids = torch.randint(0, 100, (2, 5))
+    ids[0, 2] = NUM
+    values = torch.zeros(2, 5, dtype=torch.float64)
+    values[0, 2] = 0.0  # the number 0 at a <NUM> is a value like any other
+    with torch.no_grad():
+        reference = model(ids, numeric_values=values)
+    values[0, 2] = 3.5
+    for position in ((0, 1), (1, 4)):
+        shifted = values.clone()
+        shifted[position] = 2.0
+        with pytest.raises(ValueError, match=rf"numeric_values holds a value at .*{list(position)}.* not <NUM>"):
+            model(ids, numeric_values=shifted)
+        with pytest.raises(ValueError, match="numeric_values"):
+            model.generate(ids, numeric_values=shifted, max_new_tokens=2)
+    assert torch.isfinite(reference.loc_S).all()
+
+
 def test_bad_inputs_raise_naming_the_argument(tiny_qwen):
     model = build(tiny_qwen)
     ids = torch.randint(0, 100, (2, 5))
