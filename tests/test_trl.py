@@ -50,7 +50,9 @@ def test_plain_sft_trainer_is_refused(model, tokenizer, tmp_path):
 
 @pytest.mark.parametrize("kind", ["text", "pairs"])
 def test_sft_trainer_reports_the_model_loss_and_feeds_the_numbers(model, tokenizer, tmp_path, kind):
-    rows = [{"text": t} for t in TEXTS] if kind == "text" else PAIRS
+    rows = [{"text": t} for t in TEXTS] if kind == "text" else [dict(pair) for pair in PAIRS]
+    # A text or completion that ends with the end-of-sequence token gets it once, as TRL does.
+    rows[1] = {k: v + tokenizer.eos_token if k in ("text", "completion") else v for k, v in rows[1].items()}
     trainer = CausalQwenSFTTrainer(model=model, args=config(tmp_path, max_steps=1), processing_class=tokenizer,
                                    train_dataset=Dataset.from_list(rows), value_head_start=False)
     assert "forward" not in vars(model)

@@ -130,6 +130,9 @@ def _tokenize_rows(tokenizer, rows: list[dict], args, formatting_func, completio
         texts = [formatting_func(row) for row in rows]
     elif "prompt" in first and "completion" in first:
         pairs, add_eos = [_pair(tokenizer, row) for row in rows], not is_conversational(first)
+        if add_eos:  # appended once, as an id (TRL appends it to completions that do not end with it)
+            eos_text = tokenizer.eos_token
+            pairs = [{**pair, "completion": pair["completion"].removesuffix(eos_text)} for pair in pairs]
         features = tokenize_examples(tokenizer, pairs, max_length=args.max_length, add_eos=add_eos)
         if not completion_only:
             for feature in features:
