@@ -24,7 +24,7 @@ from transformers.utils import ModelOutput, TransformersKwargs, can_return_tuple
 
 from . import cauchy
 from .cauchy import kl_divergence, quantile, symlog
-from .checks import check_forward_inputs
+from .checks import check_forward_inputs, check_forward_replacement
 from .configuration import CausalQwenConfig
 from .conversion import convert_qwen
 from .generation import CausalGenerationState, CausalQwenGenerationMixin
@@ -179,7 +179,6 @@ class CausalQwenAction(nn.Module):
         else:
             self.register_buffer("threshold", threshold, persistent=True)
         self.scale_min = config.scale_min
-        self._abs_weight_cache: tuple[tuple, torch.Tensor] | None = None
 
     def forward(
         self,
@@ -291,26 +290,13 @@ class CausalQwenAction(nn.Module):
         if torch.is_grad_enabled() and weight.requires_grad:
             loc_s, scale_s = cauchy.linear(loc, scale, weight, self.cls_head.bias)
         else:
-            loc_s = nn.functional.linear(loc, weight, self.cls_head.bias)
-            scale_s = nn.functional.linear(scale, self.abs_cls_weight())
+            # |W_cls| block by block, never cached: a cache keyed on the weight's version counter went stale after
+            # writes through `.data` (EMA, weight averaging), which do not bump it (docs/design.md §9).
+            loc_s, scale_s = cauchy.linear_by_blocks(loc, scale, weight, self.cls_head.bias)
         return loc_s, scale_s.clamp(min=self.scale_min)
 
-    def abs_cls_weight(self) -> torch.Tensor:
-        """|W_cls|, kept between calls while W_cls is unchanged (generation reads it at every step).
-
-        Building |W_cls| costs a pass over the `[V, C]` matrix and a new one of the same size; the cache is keyed
-        by the weight's storage and version counter, so any in-place update (an optimiser step) rebuilds it.
-        The cache outlives a `generate` call, so that the next one does not pay for it again; `clear_cache()` frees
-        it, and so does switching the model to training mode.
-        """
-        weight = self.cls_head.weight
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
-        if self._abs_weight_cache is None or self._abs_weight_cache[0] != key:
-            self._abs_weight_cache = (key, weight.detach().abs())
-        return self._abs_weight_cache[1]
-
     def clear_cache(self) -> None:
-        self._abs_weight_cache = None
+        """Nothing is cached any more (|W_cls| is built block by block, see `classify`); kept for existing callers."""
 
     def regress(self, loc: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Regression output `(loc_Y, scale_Y)` `[...]` from a Cauchy input `[..., C]`."""
@@ -430,7 +416,8 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
         Args:
             input_ids (`torch.LongTensor` of shape `(B, S)`): token ids, `<NUM>` where a number stands.
             numeric_values (`torch.Tensor` of shape `(B, S)`, *optional*):
-                The value of each `<NUM>`, 0 elsewhere (float64 from the tokenizer keeps every digit).
+                The value of each `<NUM>`, 0 elsewhere (float64 from the tokenizer keeps every digit); a value at
+                another id raises `ValueError` (the values would not be aligned with the ids).
             labels (`torch.LongTensor` of shape `(B, S)`, *optional*):
                 Next-token targets, unshifted, −100 where no loss is wanted.
             numeric_labels (`torch.Tensor` of shape `(B, S)`, *optional*):
@@ -627,10 +614,11 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
             write_model_card(save_directory, self.config)
         return result
 
-    def train(self, mode: bool = True):
-        if mode:
-            self.action.clear_cache()  # training steps read W_cls itself, never the cached |W_cls|
-        return super().train(mode)
+    def __setattr__(self, name: str, value) -> None:
+        # TRL's trainers install a softmax LM head over the bare backbone as `forward`: refused (docs/design.md §10).
+        if name == "forward" and not check_forward_replacement(value):
+            return
+        super().__setattr__(name, value)
 
     def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
                                 mean_resizing: bool = True) -> nn.Embedding:

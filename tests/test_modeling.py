@@ -280,6 +280,26 @@ def test_value_interval_is_exact_under_symlog(tiny_qwen):
         model.value_interval(loc_y, scale_y, coverage=1.5)
 
 
+def test_a_value_off_num_raises_instead_of_moving_the_output(tiny_qwen):
+    # Values belong to <NUM> positions (0 elsewhere); one elsewhere means values and ids are misaligned.
+    model = build(tiny_qwen)
+    ids = torch.randint(0, 100, (2, 5))
+    ids[0, 2] = NUM
+    values = torch.zeros(2, 5, dtype=torch.float64)
+    values[0, 2] = 0.0  # the number 0 at a <NUM> is a value like any other
+    with torch.no_grad():
+        reference = model(ids, numeric_values=values)
+    values[0, 2] = 3.5
+    for position in ((0, 1), (1, 4)):
+        shifted = values.clone()
+        shifted[position] = 2.0
+        with pytest.raises(ValueError, match=rf"numeric_values holds a value at .*{list(position)}.* not <NUM>"):
+            model(ids, numeric_values=shifted)
+        with pytest.raises(ValueError, match="numeric_values"):
+            model.generate(ids, numeric_values=shifted, max_new_tokens=2)
+    assert torch.isfinite(reference.loc_S).all()
+
+
 def test_bad_inputs_raise_naming_the_argument(tiny_qwen):
     model = build(tiny_qwen)
     ids = torch.randint(0, 100, (2, 5))
@@ -351,7 +371,7 @@ def test_real_qwen25_init_matches_qwen(qwen25_dir):
     assert torch.isfinite(out.scale_S).all() and torch.isfinite(out.loc_Y).all()
 
 
-def test_abs_weight_cache_follows_weight_updates(tiny_qwen):
+def test_scale_s_follows_weight_updates(tiny_qwen):
     model = build(tiny_qwen)
     ids = torch.randint(0, 100, (1, 5))
     with torch.no_grad():
@@ -361,8 +381,36 @@ def test_abs_weight_cache_follows_weight_updates(tiny_qwen):
         expected = (first.scale_U + model.action.b_noise.abs()) @ model.action.cls_head.weight.abs().T
     torch.testing.assert_close(second.scale_S, expected.clamp(min=model.config.scale_min))
     torch.testing.assert_close(second.scale_S, 3.0 * first.scale_S)
-    model.action.clear_cache()
-    assert model.action._abs_weight_cache is None
+
+
+# EMA and weight averaging write through `.data`, which does not bump the parameter's version counter.
+DATA_WRITES = {
+    "mul_": lambda w, other: w.data.mul_(-3.0),
+    "copy_": lambda w, other: w.data.copy_(other),
+    "lerp_": lambda w, other: w.data.lerp_(other, 0.5),
+    "zero_": lambda w, other: w.data[:60].zero_(),
+}
+
+
+@pytest.mark.parametrize("write", sorted(DATA_WRITES))
+def test_generation_follows_writes_through_data(tiny_qwen, write):
+    model = build(tiny_qwen)
+    randomize_heads(model)
+    ids = torch.randint(0, 100, (2, 5))
+    weight = model.action.cls_head.weight
+    other = torch.randn(weight.shape, generator=torch.Generator().manual_seed(3)) * weight.abs().mean()
+    with torch.no_grad():
+        model(ids)
+        model.generate(ids, max_new_tokens=6, do_sample=False)
+        DATA_WRITES[write](weight, other)
+        out = model(ids)
+        got = model.generate(ids, max_new_tokens=6, do_sample=False)
+    expected = (out.scale_U + model.action.b_noise.abs()) @ weight.abs().T
+    torch.testing.assert_close(out.scale_S, expected.clamp(min=model.config.scale_min))
+    fresh = build(tiny_qwen)
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(got, fresh.generate(ids, max_new_tokens=6, do_sample=False))
 
 
 def test_text_only_training_step_skips_the_backbone_backward(tiny_qwen):
