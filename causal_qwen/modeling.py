@@ -98,8 +98,12 @@ class CausalQwenNumericEmbedding(nn.Module):
     ) -> torch.Tensor:
         """`inputs_embeds` `[B, S, H]`, `input_ids` and `numeric_values` `[B, S]` → `[B, S, H]`."""
         is_num = input_ids == self.num_token_id
-        has_values = numeric_values is not None and bool((numeric_values != 0).any())
-        if not has_values and not bool(is_num.any()):
+        if torch.compiler.is_compiling():
+            # No data-dependent branch in a traced graph: add both terms (each is 0 where there is no number).
+            has_values = numeric_values is not None
+        else:
+            has_values = numeric_values is not None and bool((numeric_values != 0).any())
+        if not has_values and not torch.compiler.is_compiling() and not bool(is_num.any()):
             # Nothing to add; returning the embedding unchanged also keeps d_num and w_num out of the graph, so a
             # text-only training step does not backpropagate through the frozen backbone.
             return inputs_embeds
@@ -282,6 +286,8 @@ class CausalQwenAction(nn.Module):
         it, and so does switching the model to training mode.
         """
         weight = self.cls_head.weight
+        if torch.compiler.is_compiling():
+            return weight.detach().abs()  # a traced graph computes it; a Python-side cache cannot be traced
         key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
         if self._abs_weight_cache is None or self._abs_weight_cache[0] != key:
             self._abs_weight_cache = (key, weight.detach().abs())
@@ -407,8 +413,8 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
                 `causal_qwen.chunked_loss` (same loss and gradients, no `[B, S, V]` tensor); `loc_Y`, `scale_Y`,
                 `loc_U`, `scale_U` are always returned.
             generation_state (`CausalGenerationState`, *optional*): set by `generate`; the heads then run
-                at the last position only, in the generation mode, and `logits` holds that mode's
-                decision scores.
+                in the generation mode at the positions `logits_to_keep` kept (the last one outside `traditional`
+                mode), and `logits` holds that mode's decision scores.
 
         Returns:
             [`CausalQwenOutput`].
@@ -436,7 +442,8 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
         if generation_state is not None:
             logits, distributions = generation_state.decide(self.action, loc_u, scale_u)
             heads = CausalQwenActionOutput(**distributions)
-            loc_u, scale_u = loc_u[:, -1:], scale_u[:, -1:]
+            rows = logits.shape[1]  # the positions the mode decided
+            loc_u, scale_u = loc_u[:, -rows:], scale_u[:, -rows:]
         else:
             if output_distributions is None:
                 # A training step needs only the loss: the fused path never builds the [B, S, V] head.
