@@ -1,13 +1,15 @@
 """Generation modes of CausalQwen (docs/design.md §5) on top of transformers' `GenerationMixin`.
 
-`GenerationMixin` runs the loop (KV cache, stopping criteria, streamers, logits processors). What this
-module adds is decided per step at the last position only:
+`GenerationMixin` runs the loop (KV cache, stopping criteria, streamers, logits processors, beam search, assisted
+decoding). What this module adds is decided per step at the last position (at every candidate position when
+assisted decoding verifies candidates):
 
 - which decision scores the loop sees as `logits`: `loc_S` in `traditional` mode (softmax as in Qwen2),
   and in `standard` and `causal` mode the standardised margins z_k = (loc_S,k − C_k) / scale_S,k: P_k =
   1/2 + atan(z_k)/π is increasing in z_k, so argmax z is exactly argmax P, without the transcendental
   functions and without P's loss of resolution near 1;
-- the random draws of `causal` mode and of `shared_noise`, from the caller's `torch.Generator`;
+- the random draws of `causal` mode, of `shared_noise` and of `traditional` sampling, from the caller's
+  `torch.Generator` when one is given, without reading or changing torch's global RNG;
 - the numbers: when the chosen token is `<NUM>`, the mode's predicted value becomes its
   `numeric_values` entry and enters the next step through the numeric embedding.
 """
