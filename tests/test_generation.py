@@ -488,3 +488,20 @@ def test_a_nan_value_fails_naming_the_cause(model):
     ids, mask = left_padded_batch()
     with pytest.raises(RuntimeError, match="regression head predicted NaN"):
         gen(model, ids, mask, mode="standard", max_new_tokens=3)
+
+
+@pytest.mark.slow
+def test_real_qwen25_traditional_beam_search_and_prompt_lookup_equal_qwen2(qwen25_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen25_dir, padding_side="left")
+    qwen = Qwen2ForCausalLM.from_pretrained(qwen25_dir, dtype=torch.float32).eval()
+    model = CausalQwenForCausalLM.from_qwen(qwen, tokenizer=tokenizer).eval()
+    batch = tokenizer(["def fibonacci(n):", "The capital of France is"], return_tensors="pt", padding=True)
+    expected = qwen.generate(**batch, max_new_tokens=8, num_beams=3, num_return_sequences=2)
+    assert torch.equal(model.generate(**batch, max_new_tokens=8, mode="traditional", num_beams=3,
+                                      num_return_sequences=2), expected)
+    one = tokenizer(["a b c d e f a b c d e f a b"], return_tensors="pt")
+    expected = qwen.generate(**one, max_new_tokens=8, do_sample=False)
+    assert torch.equal(model.generate(**one, max_new_tokens=8, mode="traditional", prompt_lookup_num_tokens=3),
+                       expected)
