@@ -1,4 +1,9 @@
-"""Checks of what callers pass, so that a bad argument fails at once with its name, not deep inside torch."""
+"""Checks of what callers pass, so that a bad argument fails at once with its name, not deep inside torch.
+
+Under `torch.compile` and `torch.export` (`torch.compiler.is_compiling()`), the checks that read tensor values
+(ids in range, finite values, `<NUM>` with values) are skipped: a traced graph cannot branch on data. The type
+and shape checks still run while tracing.
+"""
 
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ def check_ids(name: str, ids: torch.Tensor, vocab_size: int, allow_ignore: bool)
     """An integer tensor of ids in [0, vocab_size) (and `IGNORE_INDEX` where `allow_ignore`)."""
     if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
-    if ids.numel() == 0:
+    if ids.numel() == 0 or torch.compiler.is_compiling():
         return
     checked = ids[ids != IGNORE_INDEX] if allow_ignore else ids
     if checked.numel() and (int(checked.min()) < 0 or int(checked.max()) >= vocab_size):
@@ -44,13 +49,15 @@ def check_values(name: str, values: torch.Tensor, shape: torch.Size) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got {getattr(values, 'dtype', type(values))}")
     if values.shape != shape:
         raise ValueError(f"{name} must have the shape of the ids {tuple(shape)}, got {tuple(values.shape)}")
-    if not bool(torch.isfinite(values).all()):
+    if not torch.compiler.is_compiling() and not bool(torch.isfinite(values).all()):
         raise ValueError(f"{name} must be finite (no NaN or inf)")
 
 
 def check_numbers_have_values(input_ids, numeric_values: torch.Tensor | None, num_token_id: int) -> None:
     """`<NUM>` ids without `numeric_values` would be read as 0 (a tokenizer's `encode` returns ids only)."""
-    if numeric_values is None and isinstance(input_ids, torch.Tensor) and bool((input_ids == num_token_id).any()):
+    if torch.compiler.is_compiling() or numeric_values is not None or not isinstance(input_ids, torch.Tensor):
+        return
+    if bool((input_ids == num_token_id).any()):
         raise ValueError(
             f"input_ids contain <NUM> (id {num_token_id}) but no numeric_values were given, so every number would "
             "be read as 0. Pass the numeric_values the CausalQwenTokenizer returns with the ids (`tokenizer(text)`, "
@@ -100,7 +107,7 @@ def check_forward_inputs(
         if input_ids is None:
             raise ValueError("numeric_values needs input_ids (the <NUM> positions); got inputs_embeds")
         check_values("numeric_values", numeric_values, input_ids.shape)
-        if not config.use_numeric and bool((numeric_values != 0).any()):
+        if not config.use_numeric and not torch.compiler.is_compiling() and bool((numeric_values != 0).any()):
             raise ValueError("numeric_values holds numbers but this model has use_numeric=False")
     reference = input_ids if input_ids is not None else inputs_embeds[..., 0]
     if labels is not None:
@@ -109,7 +116,8 @@ def check_forward_inputs(
         check_ids("labels", labels, vocab, allow_ignore=True)
         if numeric_labels is not None:
             check_values("numeric_labels", numeric_labels, labels.shape)
-        elif numeric_values is None and config.use_numeric and bool((labels == config.num_token_id).any()):
+        elif (numeric_values is None and config.use_numeric and not torch.compiler.is_compiling()
+              and bool((labels == config.num_token_id).any())):
             raise ValueError("labels contain <NUM> but neither numeric_labels nor numeric_values was given")
     if numeric_labels is not None and labels is None:
         check_values("numeric_labels", numeric_labels, reference.shape)

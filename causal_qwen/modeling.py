@@ -99,8 +99,12 @@ class CausalQwenNumericEmbedding(nn.Module):
     ) -> torch.Tensor:
         """`inputs_embeds` `[B, S, H]`, `input_ids` and `numeric_values` `[B, S]` → `[B, S, H]`."""
         is_num = input_ids == self.num_token_id
-        has_values = numeric_values is not None and bool((numeric_values != 0).any())
-        if not has_values and not bool(is_num.any()):
+        if torch.compiler.is_compiling():
+            # No data-dependent branch in a traced graph: add both terms (each is 0 where there is no number).
+            has_values = numeric_values is not None
+        else:
+            has_values = numeric_values is not None and bool((numeric_values != 0).any())
+        if not has_values and not torch.compiler.is_compiling() and not bool(is_num.any()):
             # Nothing to add; returning the embedding unchanged also keeps d_num and w_num out of the graph, so a
             # text-only training step does not backpropagate through the frozen backbone.
             return inputs_embeds
@@ -429,8 +433,8 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
                 `causal_qwen.chunked_loss` (same loss and gradients, no `[B, S, V]` tensor); `loc_Y`, `scale_Y`,
                 `loc_U`, `scale_U` are always returned.
             generation_state (`CausalGenerationState`, *optional*): set by `generate`; the heads then run
-                at the last position only, in the generation mode, and `logits` holds that mode's
-                decision scores.
+                in the generation mode at the positions `logits_to_keep` kept (the last one outside `traditional`
+                mode), and `logits` holds that mode's decision scores.
             shift_labels (`torch.LongTensor` of shape `(B, S)`, *optional*, a keyword in `kwargs` as in Qwen2):
                 Targets already shifted (`shift_labels[:, i]` is the target of position i), as context-parallel
                 training passes them (Trainer, accelerate; transformers' `ForCausalLMLoss` takes them alike): the loss
@@ -472,7 +476,8 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
         if generation_state is not None:
             logits, distributions = generation_state.decide(self.action, loc_u, scale_u)
             heads = CausalQwenActionOutput(**distributions)
-            loc_u, scale_u = loc_u[:, -1:], scale_u[:, -1:]
+            rows = logits.shape[1]  # the positions the mode decided
+            loc_u, scale_u = loc_u[:, -rows:], scale_u[:, -rows:]
         else:
             if output_distributions is None:
                 # A training step needs only the loss: the fused path never builds the [B, S, V] head.

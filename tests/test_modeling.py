@@ -737,3 +737,49 @@ def test_resizing_the_vocabulary_resizes_the_threshold(tiny_qwen, learnable):
     with pytest.raises(ValueError, match="would drop <NUM>"):
         model.resize_token_embeddings(64, pad_to_multiple_of=64)
     assert model.config.vocab_size == NUM + 1 and model.action.threshold.shape == (NUM + 1,)
+
+
+def numbered_inputs():
+    torch.manual_seed(3)
+    ids = torch.randint(1, 100, (2, 7))
+    ids[0, 3] = NUM
+    values = torch.zeros(ids.shape, dtype=torch.float64)
+    values[0, 3] = 2.5
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    return dict(input_ids=ids, numeric_values=values, attention_mask=mask, use_cache=False)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_forward_compiles_into_one_graph(tiny_qwen, backend):
+    """No data-dependent check breaks the graph: the value checks are skipped while tracing."""
+    import torch._dynamo
+
+    model = build(tiny_qwen)
+    randomize_heads(model)
+    inputs = numbered_inputs()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    with torch.no_grad():
+        got, expected = compiled(**inputs), model(**inputs)
+        # Without numbers the eager forward leaves the numeric embedding out; the graph adds its zero terms.
+        plain = {**inputs, "numeric_values": None, "input_ids": inputs["input_ids"].clamp(max=NUM - 1)}
+        got_plain, expected_plain = compiled(**plain), model(**plain)
+    for name in ("loc_S", "scale_S", "loc_Y", "scale_Y"):
+        torch.testing.assert_close(getattr(got, name), getattr(expected, name))
+        torch.testing.assert_close(getattr(got_plain, name), getattr(expected_plain, name))
+    torch._dynamo.reset()
+
+
+def test_forward_exports(tiny_qwen):
+    model = build(tiny_qwen)
+    randomize_heads(model)
+    inputs = numbered_inputs()
+    program = torch.export.export(model, args=(), kwargs=inputs)
+    with torch.no_grad():
+        got, expected = program.module()(**inputs), model(**inputs)
+    for name in ("loc_S", "scale_S", "loc_Y", "scale_Y"):
+        torch.testing.assert_close(got[name], expected[name])
+    # The eager model still checks values; only tracing skips them.
+    with pytest.raises(ValueError, match="numeric_values must be finite"):
+        model(**{**inputs, "numeric_values": torch.full(inputs["input_ids"].shape, math.inf, dtype=torch.float64)})
