@@ -361,6 +361,10 @@ class GeneratorSampling(LogitsProcessor):
         return chosen.scatter_(1, tokens, 0.0)
 
 
+_SOFTMAX_DECODINGS = (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE, GenerationMode.ASSISTED_GENERATION)
+"""Decoding strategies that only `traditional` mode can run, implied by them when no mode is named."""
+
+
 class CausalQwenGenerationMixin(GenerationMixin):
     """transformers' `GenerationMixin` with CausalQwen's modes and numbers; `CausalQwenForCausalLM` inherits it."""
 
@@ -408,7 +412,8 @@ class CausalQwenGenerationMixin(GenerationMixin):
                 `"traditional"`: softmax over `loc_S` with the usual `do_sample`, `temperature`, `top_k`,
                 `top_p`, beam search and assisted decoding; greedy when `do_sample=False`, exactly as Qwen2.
                 By default `"traditional"` when the call samples (`do_sample=True` in the keyword arguments, the
-                `generation_config` or the model's `generation_config`), else `"standard"`.
+                `generation_config` or the model's `generation_config`), runs beam search (`num_beams > 1`) or
+                assisted or prompt-lookup decoding, else `"standard"`.
             shared_individual (`bool`): `causal` mode only.
             shared_noise (`bool`): `standard` mode only; one ε_noise ~ Cauchy(0, 1) per sequence shifts U.
             generator (`torch.Generator`, *optional*): drives every random draw (ε is drawn as
@@ -427,11 +432,15 @@ class CausalQwenGenerationMixin(GenerationMixin):
         resolved = _resolve_options(self, generation_config, kwargs)
         sampling = resolved.do_sample is True
         asked = kwargs["do_sample"] if "do_sample" in kwargs else getattr(generation_config, "do_sample", None)
-        mode = check_generation_options(mode if mode is not None else resolve_mode(None, sampling),
-                                        shared_individual, shared_noise, asked)
         num_beams = resolved.num_beams or 1
         assistant_model = kwargs.get("assistant_model")
         decoding = GenerationConfig.get_generation_mode(resolved, assistant_model)
+        if mode is None and decoding in _SOFTMAX_DECODINGS:
+            # Beam search and assisted decoding rank log-probabilities of the softmax over loc_S, which is what
+            # `traditional` mode gives: asked for without a mode, they imply it, as sampling does.
+            mode = "traditional"
+        mode = check_generation_options(mode if mode is not None else resolve_mode(None, sampling),
+                                        shared_individual, shared_noise, asked)
         _check_decoding(decoding, mode, sampling, num_beams, generator, assistant_model, resolved.prefill_chunk_size)
         if mode != "traditional":
             sampling = False

@@ -188,7 +188,7 @@ def test_eos_stops_and_pads(model):
     (dict(mode="causal", shared_noise=True), "shared_noise"),
     (dict(mode="standard", do_sample=True), "do_sample"),
     (dict(numeric_values=torch.zeros(3, 5, dtype=torch.float64)), "numeric_values"),
-    (dict(num_beams=2), "num_beams"),
+    (dict(mode="standard", num_beams=2), "num_beams"),  # without a mode, beams imply traditional
 ])
 def test_bad_generation_arguments(model, kwargs, match):
     ids, mask = left_padded_batch()
@@ -229,12 +229,14 @@ def test_the_models_generation_config_is_read(tiny_qwen, model):
     ids, mask = left_padded_batch()
     model.generation_config.num_beams = 2
     with pytest.raises(ValueError, match=r"num_beams=2 needs mode='traditional'"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=PAD)
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=PAD, mode="standard")
     traditional = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM).eval()
     traditional.generation_config.num_beams = tiny_qwen.generation_config.num_beams = 2
     expected = tiny_qwen.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD)
     got = traditional.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD, mode="traditional")
     assert torch.equal(got, expected)
+    # Without a mode, beam search implies traditional mode, as sampling does: Qwen2's beams.
+    assert torch.equal(traditional.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD), expected)
 
 
 

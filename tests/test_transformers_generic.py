@@ -158,15 +158,6 @@ class TestCausalQwenGeneric(_GenericTest, unittest.TestCase):
 # expected failures until then (not strict, so that the rework turns them into XPASS, and they can be removed here).
 GENERATION_XFAIL_REASON = "generation: being fixed"
 GENERATION_XFAILS = {
-    # Sampling: `do_sample=True` raises GenerationOptionError unless `mode="traditional"` (docs/design.md §5).
-    "test_sample_generate": "do_sample=True needs mode='traditional'",
-    "test_sample_generate_dict_output": "do_sample=True needs mode='traditional'",
-    # Beam search: `num_beams > 1` raises ValueError (docs/design.md §5, §10).
-    "test_beam_search_generate": "num_beams > 1 raises",
-    "test_beam_search_generate_dict_output": "num_beams > 1 raises",
-    "test_beam_search_generate_dict_outputs_use_cache": "num_beams > 1 raises",
-    "test_beam_sample_generate": "num_beams > 1 raises",
-    "test_beam_sample_generate_dict_output": "num_beams > 1 raises",
     # Assisted decoding: the assistant's generate is called with `generation_state` twice (TypeError).
     "test_assisted_decoding_matches_greedy_search_0_random": "assisted decoding passes generation_state twice",
     "test_assisted_decoding_matches_greedy_search_1_same": "assisted decoding passes generation_state twice",
