@@ -252,7 +252,6 @@ class CausalQwenAction(nn.Module):
             self.threshold = nn.Parameter(new, requires_grad=old.requires_grad)
         else:
             self.threshold = new
-        self.clear_cache()
 
     def noisy_scale(self, scale_u: torch.Tensor) -> torch.Tensor:
         """scale_U' = scale_U + |b_noise|: the noise is Cauchy, so its scale adds to U's."""
