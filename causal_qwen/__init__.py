@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "CausalQwenConfig": ".configuration",
     "CausalQwenForCausalLM": ".modeling",
+    "CausalQwenModel": ".modeling",
     "CausalQwenOutput": ".modeling",
     "CausalQwenPreTrainedModel": ".modeling",
     "CausalQwenTextGenerationPipeline": ".pipeline",
@@ -28,6 +29,7 @@ _EXPORTS = {
 __all__ = [
     "CausalQwenConfig",
     "CausalQwenForCausalLM",
+    "CausalQwenModel",
     "CausalQwenOutput",
     "CausalQwenPreTrainedModel",
     "CausalQwenTextGenerationPipeline",
@@ -37,7 +39,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .configuration import CausalQwenConfig
-    from .modeling import CausalQwenForCausalLM, CausalQwenOutput, CausalQwenPreTrainedModel
+    from .modeling import CausalQwenForCausalLM, CausalQwenModel, CausalQwenOutput, CausalQwenPreTrainedModel
     from .pipeline import CausalQwenTextGenerationPipeline
     from .tokenization import CausalQwenTokenizer
     from .training import CausalQwenTrainer
@@ -50,7 +52,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     namespace = globals()
     for name, module in _EXPORTS.items():
@@ -59,12 +61,16 @@ def register() -> None:
         "CausalQwenTokenizer"]
     AutoConfig.register(config.model_type, config, exist_ok=True)
     AutoModelForCausalLM.register(config, model, exist_ok=True)
+    # `AutoModel` gives the bare Qwen2 backbone, as it does for a Qwen2 config.
+    backbone = namespace["CausalQwenModel"]
+    AutoModel.register(config, backbone, exist_ok=True)
     AutoTokenizer.register(config, tokenizer_class=tokenizer, exist_ok=True)
     importlib.import_module(".pipeline", __name__).register_pipeline()
     # Saved checkpoints carry the modeling code and an `auto_map`, so that `trust_remote_code=True` loads them
     # where this package is not installed.
     config.register_for_auto_class()
     model.register_for_auto_class("AutoModelForCausalLM")
+    backbone.register_for_auto_class("AutoModel")
     tokenizer.register_for_auto_class("AutoTokenizer")
     _registered = True
 

@@ -17,9 +17,11 @@ import torch
 
 __all__ = [
     "linear",
+    "linear_by_blocks",
     "cdf",
     "ovr_probability",
     "ovr_log_probs",
+    "ovr_log_prob_gradients",
     "nll",
     "quantile",
     "sample",
@@ -50,6 +52,43 @@ def linear(
     return out_loc, out_scale
 
 
+# Bytes of |W| built at a time by `linear_by_blocks`: within a CPU core's L2 cache, so that each block of W is read
+# from memory once (for loc) and its absolute value stays in cache for scale; on CUDA, large blocks (few launches).
+_BLOCK_BYTES = {"cpu": 2 << 20, "cuda": 64 << 20}
+
+
+@torch.no_grad()
+def linear_by_blocks(
+    loc: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    block_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`linear` without autograd, taking W a block of rows at a time: |W| is never built whole, nor kept.
+
+    Each block of W gives its slice of loc and, through its absolute value in a reused buffer, of scale. At a few
+    positions (a generation step) this costs about what a cached |W| would (W is read once from memory, the buffer
+    stays in cache), and it cannot go stale, whatever writes W (`weight.data.lerp_` of an EMA included).
+    """
+    out_features, in_features = weight.shape
+    if block_rows is None:
+        budget = _BLOCK_BYTES.get(weight.device.type, _BLOCK_BYTES["cuda"])
+        block_rows = max(1, budget // (in_features * weight.element_size()))
+    lead = loc.shape[:-1]
+    loc2, scale2 = loc.reshape(-1, in_features), scale.reshape(-1, in_features)
+    out_loc = loc2.new_empty(loc2.shape[0], out_features)
+    out_scale = scale2.new_empty(scale2.shape[0], out_features)
+    buffer = weight.new_empty(min(block_rows, out_features), in_features)
+    for start in range(0, out_features, block_rows):
+        block = weight[start:start + block_rows]
+        rows = block.shape[0]
+        abs_block = torch.abs(block, out=buffer[:rows])
+        if bias is None:
+            out_loc[:, start:start + rows] = loc2 @ block.T
+        else:
+            out_loc[:, start:start + rows] = torch.addmm(bias[start:start + rows], loc2, block.T)
+        out_scale[:, start:start + rows] = scale2 @ abs_block.T
+    return out_loc.reshape(*lead, out_features), out_scale.reshape(*lead, out_features)
+
+
 def cdf(x: torch.Tensor, loc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """P(X ≤ x) for X ~ Cauchy(loc, scale)."""
     return torch.atan2(scale, loc - x) / math.pi
@@ -58,9 +97,11 @@ def cdf(x: torch.Tensor, loc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 def ovr_probability(loc: torch.Tensor, scale: torch.Tensor, threshold: torch.Tensor | float) -> torch.Tensor:
     """One-vs-Rest probability P(S > C) = 1/2 + atan((loc − C)/scale)/π, as `atan2(scale, C − loc)/π`.
 
-    The `atan2` form never divides by a tiny scale and stays accurate when P is close to 0.
+    The `atan2` form never divides by a tiny scale and stays accurate when P is close to 0. Its gradient is
+    written out (`_OvRProbability`): autograd's `atan2` backward forms scale² + (loc − C)², which overflows fp32
+    once |loc − C| > 1.8e19 (NaN gradients) and underflows to 0 for scales below 1e-19.
     """
-    return torch.atan2(scale, threshold - loc) / math.pi
+    return _OvRProbability.apply(loc - threshold, scale)
 
 
 def ovr_log_probs(
@@ -70,15 +111,82 @@ def ovr_log_probs(
 
     With a = atan2(scale, C − loc)/π = P and b = atan2(scale, loc − C)/π = 1 − P, each of them is
     computed as a small angle where it is small, so the log of the small one is taken directly and the
-    other side goes through `log1p`.
+    other side goes through `log1p`. The gradient is written out (`_OvRLogProbs`): through autograd, the log's
+    1/P overflows fp32 once P < 3e-39 (a scale floored at 1e-38 or below), and the `atan2` backward once
+    |loc − C| > 1.8e19, giving inf or NaN gradients with a finite loss.
     """
-    p = torch.atan2(scale, threshold - loc) / math.pi
-    q = torch.atan2(scale, loc - threshold) / math.pi
-    p_is_small = p <= 0.5
-    # Clamp the argument that is not selected so that its branch is finite and its gradient is zero-safe.
-    log_p = torch.where(p_is_small, torch.log(p), torch.log1p(-q.clamp(max=0.5)))
-    log_q = torch.where(p_is_small, torch.log1p(-p.clamp(max=0.5)), torch.log(q))
-    return log_p, log_q
+    return _OvRLogProbs.apply(loc - threshold, scale)
+
+
+class _OvRProbability(torch.autograd.Function):
+    """P = atan2(s, −d)/π of d = loc − C and s = scale > 0, with ∂P/∂d = s/(π(s² + d²)), ∂P/∂s = −d/(π(s² + d²)).
+
+    s² + d² is never formed: with n = hypot(s, d) (which neither overflows nor underflows), s/(s² + d²) = (s/n)/n.
+    """
+
+    @staticmethod
+    def forward(ctx, d: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(d, s)
+        return torch.atan2(s, -d) / math.pi
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        d, s = ctx.saved_tensors
+        n = torch.hypot(s, d)
+        grad = grad / math.pi
+        return (s / n) / n * grad, -(d / n) / n * grad
+
+
+class _OvRLogProbs(torch.autograd.Function):
+    """`(log P, log(1 − P))` of d = loc − C and s = scale > 0, with the gradients written without overflow.
+
+    With p = πP = atan2(s, −d), q = π(1 − P) = atan2(s, d) and n = hypot(s, d) (docs/design.md §4.1):
+    ∂log P/∂d = s/(n²p), ∂log P/∂s = −d/(n²p), ∂log(1 − P)/∂d = −s/(n²q), ∂log(1 − P)/∂s = d/(n²q).
+    They are formed as (s/p)/n/n and ((d/n)/n)/p: s/p is at most about max(|d|, s) (p ≈ s/|d| when small) and
+    (d/n)/n about 1/d, so no intermediate exceeds the result (or 1/s), and no square is formed. The gradients are
+    then finite wherever their true values fit in the dtype (∂/∂s at a subnormal floor may be ±inf, as its true value
+    is; the floor's clamp drops it).
+    """
+
+    @staticmethod
+    def forward(ctx, d: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        p = torch.atan2(s, -d)
+        q = torch.atan2(s, d)
+        ctx.save_for_backward(d, s, p, q)
+        p, q = p / math.pi, q / math.pi
+        p_is_small = p <= 0.5
+        log_p = torch.where(p_is_small, torch.log(p), torch.log1p(-q.clamp(max=0.5)))
+        log_q = torch.where(p_is_small, torch.log1p(-p.clamp(max=0.5)), torch.log(q))
+        return log_p, log_q
+
+    @staticmethod
+    def backward(ctx, grad_log_p: torch.Tensor, grad_log_q: torch.Tensor):
+        d, s, p, q = ctx.saved_tensors
+        n = torch.hypot(s, d)
+        k = (d / n) / n
+        grad_d, grad_s = torch.zeros_like(d), torch.zeros_like(d)
+        for grad, angle, sign in ((grad_log_p, p, 1.0), (grad_log_q, q, -1.0)):
+            if grad is not None:
+                grad_d = grad_d + sign * grad * (_over_angle(s, angle, d) / n / n)
+                grad_s = grad_s - sign * _divide(k * grad, angle)
+        return grad_d, grad_s
+
+
+def _over_angle(s: torch.Tensor, angle: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """s/angle for angle = atan2(s, ±d); it tends to |d| as the angle goes to 0 (where it underflowed)."""
+    return torch.where(angle > 0, s / angle, d.abs())
+
+
+def _divide(x: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
+    """x/angle, 0 where the angle underflowed to 0 (the log there is −inf: no gradient is right)."""
+    return torch.where(angle > 0, x / angle, 0.0)
+
+
+def ovr_log_prob_gradients(d: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(∂log P/∂d, ∂log P/∂s)` of P = P(S > C), d = loc − C, s = scale > 0, without overflow (`_OvRLogProbs`)."""
+    p = torch.atan2(s, -d)
+    n = torch.hypot(s, d)
+    return _over_angle(s, p, d) / n / n, -_divide((d / n) / n, p)
 
 
 def nll(value: torch.Tensor, loc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,16 @@
-"""Checks of what callers pass, so that a bad argument fails at once with its name, not deep inside torch."""
+"""Checks of what callers pass, so that a bad argument fails at once with its name, not deep inside torch.
+
+Under `torch.compile` and `torch.export` (`torch.compiler.is_compiling()`), the checks that read tensor values
+(ids in range, finite values, `<NUM>` with values) are skipped: a traced graph cannot branch on data. The type
+and shape checks still run while tracing.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from pathlib import Path
 
 import torch
 
@@ -10,6 +18,7 @@ from .labels import IGNORE_INDEX
 
 __all__ = [
     "check_positive_finite", "check_ids", "check_values", "check_numbers_have_values", "check_forward_inputs",
+    "check_values_at_numbers", "check_forward_replacement", "keeping_own_forward",
 ]
 
 
@@ -24,7 +33,7 @@ def check_ids(name: str, ids: torch.Tensor, vocab_size: int, allow_ignore: bool)
     """An integer tensor of ids in [0, vocab_size) (and `IGNORE_INDEX` where `allow_ignore`)."""
     if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
-    if ids.numel() == 0:
+    if ids.numel() == 0 or torch.compiler.is_compiling():
         return
     checked = ids[ids != IGNORE_INDEX] if allow_ignore else ids
     if checked.numel() and (int(checked.min()) < 0 or int(checked.max()) >= vocab_size):
@@ -40,19 +49,42 @@ def check_values(name: str, values: torch.Tensor, shape: torch.Size) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got {getattr(values, 'dtype', type(values))}")
     if values.shape != shape:
         raise ValueError(f"{name} must have the shape of the ids {tuple(shape)}, got {tuple(values.shape)}")
-    if not bool(torch.isfinite(values).all()):
+    if not torch.compiler.is_compiling() and not bool(torch.isfinite(values).all()):
         raise ValueError(f"{name} must be finite (no NaN or inf)")
 
 
 def check_numbers_have_values(input_ids, numeric_values: torch.Tensor | None, num_token_id: int) -> None:
     """`<NUM>` ids without `numeric_values` would be read as 0 (a tokenizer's `encode` returns ids only)."""
-    if numeric_values is None and isinstance(input_ids, torch.Tensor) and bool((input_ids == num_token_id).any()):
+    if torch.compiler.is_compiling() or numeric_values is not None or not isinstance(input_ids, torch.Tensor):
+        return
+    if bool((input_ids == num_token_id).any()):
         raise ValueError(
             f"input_ids contain <NUM> (id {num_token_id}) but no numeric_values were given, so every number would "
             "be read as 0. Pass the numeric_values the CausalQwenTokenizer returns with the ids (`tokenizer(text)`, "
             "not `tokenizer.encode(text)`); with lm-evaluation-harness use `--model causal-qwen` "
             "(causal_qwen.integrations.lm_eval)."
         )
+
+
+def _check_shift_labels(config, shape, shift_labels, shift_numeric_labels, has_values: bool) -> None:
+    """Already-shifted targets: ids of the inputs' shape; a `<NUM>` target needs its value."""
+    if shift_labels.shape != shape:
+        raise ValueError(f"shift_labels must have shape {tuple(shape)}, got {tuple(shift_labels.shape)}")
+    check_ids("shift_labels", shift_labels, config.vocab_size, allow_ignore=True)
+    if shift_numeric_labels is not None:
+        check_values("shift_numeric_labels", shift_numeric_labels, shift_labels.shape)
+        return
+    if not config.use_numeric or shift_labels.numel() == 0:
+        return
+    is_num = shift_labels == config.num_token_id
+    if bool(is_num.any()) and not has_values:
+        raise ValueError("shift_labels contain <NUM> but none of shift_numeric_labels, numeric_labels and "
+                         "numeric_values was given")
+    if bool(is_num[:, -1].any()):
+        # Shifting numeric_labels leaves the last position without a value: its target lies beyond the sequence
+        # (the next shard, under context parallelism).
+        raise ValueError("shift_labels has a <NUM> target at the last position, whose value lies beyond the "
+                         "sequence: pass shift_numeric_labels (the values of shift_labels, already shifted)")
 
 
 def check_forward_inputs(
@@ -62,6 +94,8 @@ def check_forward_inputs(
     inputs_embeds: torch.Tensor | None,
     labels: torch.Tensor | None,
     numeric_labels: torch.Tensor | None,
+    shift_labels: torch.Tensor | None = None,
+    shift_numeric_labels: torch.Tensor | None = None,
 ) -> None:
     """Reject inputs of `CausalQwenForCausalLM.forward` that would otherwise give a silent wrong result."""
     vocab = config.vocab_size
@@ -73,16 +107,87 @@ def check_forward_inputs(
         if input_ids is None:
             raise ValueError("numeric_values needs input_ids (the <NUM> positions); got inputs_embeds")
         check_values("numeric_values", numeric_values, input_ids.shape)
-        if not config.use_numeric and bool((numeric_values != 0).any()):
+        if not config.use_numeric and not torch.compiler.is_compiling() and bool((numeric_values != 0).any()):
             raise ValueError("numeric_values holds numbers but this model has use_numeric=False")
+    reference = input_ids if input_ids is not None else inputs_embeds[..., 0]
     if labels is not None:
-        reference = input_ids if input_ids is not None else inputs_embeds[..., 0]
         if labels.shape != reference.shape:
             raise ValueError(f"labels must have shape {tuple(reference.shape)}, got {tuple(labels.shape)}")
         check_ids("labels", labels, vocab, allow_ignore=True)
         if numeric_labels is not None:
             check_values("numeric_labels", numeric_labels, labels.shape)
-        elif numeric_values is None and config.use_numeric and bool((labels == config.num_token_id).any()):
+        elif (numeric_values is None and config.use_numeric and not torch.compiler.is_compiling()
+              and bool((labels == config.num_token_id).any())):
             raise ValueError("labels contain <NUM> but neither numeric_labels nor numeric_values was given")
+    if numeric_labels is not None and labels is None:
+        check_values("numeric_labels", numeric_labels, reference.shape)
+    if shift_labels is not None:
+        _check_shift_labels(config, reference.shape, shift_labels, shift_numeric_labels,
+                            has_values=numeric_labels is not None or numeric_values is not None)
+    elif shift_numeric_labels is not None:
+        raise ValueError("shift_numeric_labels are the values of shift_labels; pass shift_labels with them")
     if config.use_numeric:
         check_numbers_have_values(input_ids, numeric_values, config.num_token_id)
+        if numeric_values is not None:
+            check_values_at_numbers(input_ids, numeric_values, config.num_token_id)
+
+
+def check_values_at_numbers(input_ids: torch.Tensor, numeric_values: torch.Tensor, num_token_id: int) -> None:
+    """Values only at `<NUM>` ids, 0 elsewhere (docs/design.md §1).
+
+    The numeric embedding adds every value, so one off a `<NUM>` would move the output silently; the tokenizer,
+    the collator and `generate` write 0 there. A value elsewhere means the values do not belong to these ids
+    (shifted, truncated or padded apart), and then the `<NUM>` positions' values are wrong too: refused.
+    """
+    if torch.compiler.is_compiling():
+        return
+    stray = (numeric_values != 0) & (input_ids != num_token_id)
+    if bool(stray.any()):
+        first = [int(i) for i in stray.nonzero()[0]]
+        raise ValueError(
+            f"numeric_values holds a value at {int(stray.sum())} position(s) whose id is not <NUM> (id "
+            f"{num_token_id}), the first at {first}: values belong to <NUM> positions and are 0 elsewhere, so "
+            "numeric_values is not aligned with input_ids (pass the ids and values the CausalQwenTokenizer returns "
+            "together, padded and truncated together)."
+        )
+
+
+# Set while `causal_qwen.integrations.trl` builds a TRL trainer that computes the model's own loss: TRL's fused head is
+# then left out (the trainer never asks for it) instead of refused.
+_KEEP_OWN_FORWARD = contextvars.ContextVar("causal_qwen_keep_own_forward", default=False)
+
+
+@contextlib.contextmanager
+def keeping_own_forward():
+    """Within this block a TRL fused LM head assigned to a CausalQwen model is skipped instead of refused."""
+    token = _KEEP_OWN_FORWARD.set(True)
+    try:
+        yield
+    finally:
+        _KEEP_OWN_FORWARD.reset(token)
+
+
+def _is_trl_fused_forward(value) -> bool:
+    """TRL's `add_fused_lm_head` installs a bound `_fused_forward` (wrapped to look like the model's forward)."""
+    code = getattr(getattr(value, "__func__", value), "__code__", None)
+    return code is not None and code.co_name == "_fused_forward" and "trl" in Path(code.co_filename).parts
+
+
+def check_forward_replacement(value) -> bool:
+    """Whether `model.forward = value` may go ahead (False: skip it); raise for TRL's fused LM head.
+
+    TRL's trainers (SFT, DPO, GRPO, ...) replace the forward with one that runs the bare backbone and a softmax
+    cross-entropy over `get_output_embeddings()`. On CausalQwen that skips the numeric embedding, the abduction network
+    and the OvR and regression losses: only `cls_head` would train, as a softmax classifier, `<NUM>` as a class without
+    its value. docs/training.md ("TRL") has the trainer that trains the model's own loss.
+    """
+    if not _is_trl_fused_forward(value):
+        return True
+    if _KEEP_OWN_FORWARD.get():
+        return False
+    raise ValueError(
+        "TRL's trainer replaces the model's forward with a fused softmax LM head, which skips CausalQwen's numeric "
+        "embedding, abduction network and One-vs-Rest/regression loss (only cls_head would train, and numbers would "
+        "lose their values). Use causal_qwen.integrations.trl.CausalQwenSFTTrainer (SFTTrainer's arguments) instead "
+        "of trl.SFTTrainer; other TRL trainers are not supported."
+    )

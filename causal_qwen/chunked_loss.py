@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cauchy import linear, ovr_log_probs, ovr_probability
+from .cauchy import linear, ovr_log_prob_gradients, ovr_log_probs, ovr_probability
 from .labels import IGNORE_INDEX
 
 __all__ = [
@@ -389,18 +389,22 @@ def _tile_loss(
 def _tile_gradients(shifted: torch.Tensor, scale: torch.Tensor, scratch: _Scratch, rows: int, cols: int) -> None:
     """Turn `shifted` into ∂L/∂scale_S and `scale` into ∂L/∂loc_S of L = −log(1 − P), in place.
 
-    With q = π(1 − P) = atan2(s, d): ∂L/∂d = s / ((s² + d²)·q) and ∂L/∂s = −d / ((s² + d²)·q).
+    With q = π(1 − P) = atan2(s, d): ∂L/∂d = s / ((s² + d²)·q) and ∂L/∂s = −d / ((s² + d²)·q), formed with
+    n = hypot(s, d) as (s/q)/n/n and −((d/n)/n)/q: s/q is about max(d, s) and (d/n)/n about 1/d, so neither
+    overflows where the result does not (s² + d² overflows fp32 once |d| > 1.8e19, and (s² + d²)·q underflows at a
+    subnormal floor). ∂L/∂s is ±inf only where its true value is beyond the dtype, at a floored scale, and zeroed
+    there.
     """
     angle = _view(scratch.angle, rows, cols)
     above = _view(scratch.above, rows, cols)
-    inv = _view(scratch.work, rows, cols)
+    norm = _view(scratch.work, rows, cols)
     q = _view(scratch.other, rows, cols)
     # q = t where d > 0, else π − t (no cancellation: π − t ≥ π/2 there).
     torch.mul(angle, -1.0, out=q).add_(_PI)
     torch.where(above, angle, q, out=q)
-    torch.mul(scale, scale, out=inv).addcmul_(shifted, shifted).mul_(q).reciprocal_()
-    shifted.mul_(inv).neg_()
-    scale.mul_(inv)
+    torch.hypot(scale, shifted, out=norm)
+    shifted.div_(norm).div_(norm).div_(q).neg_()
+    scale.div_(q).div_(norm).div_(norm)
 
 
 def _positive_terms(shifted: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -409,8 +413,8 @@ def _positive_terms(shifted: torch.Tensor, scale: torch.Tensor) -> tuple[torch.T
     With p = πP = atan2(s, −d): ∂(−log P)/∂d = −s / ((s² + d²)·p), ∂(−log P)/∂s = d / ((s² + d²)·p).
     """
     log_p, _ = ovr_log_probs(shifted, scale, 0.0)
-    inv = 1.0 / ((scale * scale + shifted * shifted) * torch.atan2(scale, -shifted))
-    return log_p, -scale * inv, shifted * inv
+    grad_d, grad_s = ovr_log_prob_gradients(shifted, scale)
+    return log_p, -grad_d, -grad_s
 
 
 def _accumulate(

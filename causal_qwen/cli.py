@@ -55,10 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    description="Generate a continuation of PROMPT in any mode.")
     generate.add_argument("model", help="CausalQwen folder")
     generate.add_argument("prompt", nargs="+", help="one or more prompts")
-    generate.add_argument("--mode", default="standard", choices=["standard", "causal", "traditional"])
+    generate.add_argument("--mode", choices=["standard", "causal", "traditional"],
+                          help="default: traditional with --do-sample, standard otherwise")
     generate.add_argument("--shared-individual", action="store_true", help="causal mode: one individual per text")
     generate.add_argument("--shared-noise", action="store_true", help="standard mode: one noise draw per text")
-    generate.add_argument("--do-sample", action="store_true", help="traditional mode: sample from the softmax")
+    generate.add_argument("--do-sample", action="store_true",
+                          help="sample from the softmax (traditional mode, the default with it)")
     generate.add_argument("--temperature", type=float)
     generate.add_argument("--top-k", type=int)
     generate.add_argument("--top-p", type=float)
@@ -164,8 +166,7 @@ def _check_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error(f"argument {_option(error.argument)}: {error}")
     for name in ("temperature", "top_k", "top_p"):
         if getattr(args, name) is not None and not args.do_sample:
-            parser.error(f"argument {_option(name)}: sets how --do-sample samples; add --do-sample (with --mode "
-                         "traditional)")
+            parser.error(f"argument {_option(name)}: sets how --do-sample samples; add --do-sample")
 
 
 def _option(dest: str) -> str:

@@ -1,37 +1,43 @@
 """Generation modes of CausalQwen (docs/design.md §5) on top of transformers' `GenerationMixin`.
 
-`GenerationMixin` runs the loop (KV cache, stopping criteria, streamers, logits processors). What this
-module adds is decided per step at the last position only:
+`GenerationMixin` runs the loop (KV cache, stopping criteria, streamers, logits processors, beam search, assisted
+decoding). What this module adds is decided per step at the last position (at every candidate position when
+assisted decoding verifies candidates):
 
 - which decision scores the loop sees as `logits`: `loc_S` in `traditional` mode (softmax as in Qwen2),
   and in `standard` and `causal` mode the standardised margins z_k = (loc_S,k − C_k) / scale_S,k: P_k =
   1/2 + atan(z_k)/π is increasing in z_k, so argmax z is exactly argmax P, without the transcendental
   functions and without P's loss of resolution near 1;
-- the random draws of `causal` mode and of `shared_noise`, from the caller's `torch.Generator`;
+- the random draws of `causal` mode, of `shared_noise` and of `traditional` sampling, from the caller's
+  `torch.Generator` when one is given, without reading or changing torch's global RNG;
 - the numbers: when the chosen token is `<NUM>`, the mode's predicted value becomes its
   `numeric_values` entry and enters the next step through the numeric embedding.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Callable, Iterator
+import functools
+import math
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
-from transformers.generation import GenerationMixin
+from transformers.generation import GenerationConfig, GenerationMixin, LogitsProcessor, LogitsProcessorList
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.streamers import BaseStreamer, TextStreamer
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
 from .cauchy import uniform
 from .checks import check_numbers_have_values
-from .generation_options import GENERATION_MODES, check_generation_options
+from .generation_options import GENERATION_MODES, check_generation_options, resolve_mode
 
 __all__ = [
-    "GENERATION_MODES", "CausalQwenGenerateOutput", "CausalGenerationState", "CausalQwenGenerationMixin",
-    "StreamerWithNumbers", "check_generation_options",
+    "GENERATION_MODES", "CausalQwenGenerateOutput", "CausalQwenGenerateBeamOutput", "CausalGenerationState",
+    "CausalQwenGenerationMixin", "GeneratorSampling", "StreamerWithNumbers", "check_generation_options",
 ]
 
 
@@ -55,7 +61,16 @@ class CausalQwenGenerateOutput(GenerateDecoderOnlyOutput):
 
 
 class CausalGenerationState:
-    """What one `generate` call carries from step to step: the mode, its random draws and the numbers so far."""
+    """What one `generate` call carries from step to step: the mode, its random draws and the numbers so far.
+
+    The numbers are kept per row, aligned with the ids: `numeric_values` `[R, n]` holds the values of the first n
+    ids, and the last forward's predictions (`pending`, one per position it decided) give the values of the ids
+    chosen since. `sync` is called with the ids the loop holds before every forward and at the end; it keeps the
+    values of the ids before `pending_start` (the first position the last forward predicted) and takes each later
+    `<NUM>` id's value from the prediction for its position. This covers one new token per step, several accepted
+    at once (assisted and prompt-lookup decoding, whose rejected candidates are simply dropped) and steps undone
+    at the end. Beam search reorders the rows at every step; `_BeamHistory` follows the hypotheses (see there).
+    """
 
     def __init__(
         self,
@@ -66,6 +81,9 @@ class CausalGenerationState:
         generator: torch.Generator | None,
         num_token_id: int | None,
         to_value: Callable[[torch.Tensor], torch.Tensor],
+        num_beams: int = 1,
+        prompt_length: int | None = None,
+        sample_with_generator: bool = False,
     ):
         self.mode = mode
         self.shared_individual = shared_individual
@@ -73,79 +91,151 @@ class CausalGenerationState:
         self.generator = generator
         self.num_token_id = num_token_id
         self.to_value = to_value
-        self.numeric_values: torch.Tensor | None = None  # [B, L] float64, aligned with the ids seen so far
-        self.prompt_length: int | None = None
-        self.pending_value: torch.Tensor | None = None  # [B] value predicted at the last step
-        self.shared_draw: torch.Tensor | None = None  # [B, C]: ε (shared individual) or ε_noise (shared noise)
-        self.step_loc_y: list[torch.Tensor] = []
-        self.step_scale_y: list[torch.Tensor] = []
+        self.num_beams = num_beams
+        self.prompt_length = prompt_length
+        # Traditional sampling with a generator: the loop takes the argmax of scores in which `GeneratorSampling`
+        # has kept the token it drew from the generator (CausalQwenGenerationMixin._sample).
+        self.sample_with_generator = sample_with_generator
+        self.numeric_values: torch.Tensor | None = None  # [R, n] float64, the values of the first n ids
+        self.loc_y: torch.Tensor | None = None  # [R, n] the regression distribution that predicted each position
+        self.scale_y: torch.Tensor | None = None
+        self.has_values = False  # the model has a regression head
+        self.synced_length = 0  # length of the ids of the last sync (the last forward's input)
+        self.pending_start: int | None = None  # first position the last forward predicted
+        self.pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # value, loc_Y, scale_Y [R, k]
+        self.shared_draw: torch.Tensor | None = None  # [R, C]: ε (shared individual) or ε_noise (shared noise)
+        self.beams: _BeamHistory | None = None
+        self.overflow_warned = False
 
     def sync(self, input_ids: torch.Tensor, prompt_values: torch.Tensor | None) -> torch.Tensor:
-        """Return `numeric_values` `[B, L]` aligned with `input_ids` `[B, L]`, appending the new tokens' values."""
+        """Return `numeric_values` `[R, L]` aligned with `input_ids` `[R, L]`, taking the new ids' values."""
         if self.numeric_values is None:
-            if prompt_values is None:
-                prompt_values = torch.zeros(input_ids.shape, dtype=torch.float64, device=input_ids.device)
-            if prompt_values.shape != input_ids.shape:
-                raise ValueError(
-                    f"numeric_values must have the shape of the prompt ids {tuple(input_ids.shape)}, "
-                    f"got {tuple(prompt_values.shape)}"
-                )
-            self.numeric_values = prompt_values.to(device=input_ids.device)
-            self.prompt_length = input_ids.shape[1]
-        new = input_ids.shape[1] - self.numeric_values.shape[1]
+            self._start(input_ids, prompt_values)
+        elif self.beams is not None:
+            self.beams.follow(self, input_ids)
+        length = input_ids.shape[1]
+        start = min(self.pending_start, length)
+        values = self.numeric_values[:, :start]
+        loc_y, scale_y = self.loc_y[:, :start], self.scale_y[:, :start]
+        new = length - start
         if new > 0:
-            appended = torch.zeros((input_ids.shape[0], new), dtype=self.numeric_values.dtype, device=input_ids.device)
-            if self.pending_value is not None and self.num_token_id is not None:
-                is_num = input_ids[:, -new] == self.num_token_id
-                appended[:, 0] = torch.where(is_num, self.pending_value.to(appended.dtype), appended[:, 0])
-            self.numeric_values = torch.cat([self.numeric_values, appended], dim=1)
-            self.pending_value = None
-        return self.numeric_values
+            rows = input_ids.shape[0]
+            appended = torch.zeros((rows, new), dtype=torch.float64, device=values.device)
+            appended_loc = torch.full((rows, new), math.nan, dtype=loc_y.dtype, device=values.device)
+            appended_scale = appended_loc.clone()
+            if self.pending is not None:
+                predicted, predicted_loc, predicted_scale = self.pending
+                k = min(new, predicted.shape[1])
+                if self.num_token_id is not None:
+                    is_num = input_ids[:, start:start + k].to(values.device) == self.num_token_id
+                    self._check_number_values(predicted[:, :k], is_num, start)
+                    appended[:, :k] = torch.where(is_num, predicted[:, :k], appended[:, :k])
+                appended_loc[:, :k] = predicted_loc[:, :k]
+                appended_scale[:, :k] = predicted_scale[:, :k]
+            values = torch.cat([values, appended], dim=1)
+            loc_y = torch.cat([loc_y, appended_loc], dim=1)
+            scale_y = torch.cat([scale_y, appended_scale], dim=1)
+        self.numeric_values, self.loc_y, self.scale_y = values, loc_y, scale_y
+        self.synced_length = length
+        return values
+
+    def _start(self, input_ids: torch.Tensor, prompt_values: torch.Tensor | None) -> None:
+        rows = input_ids.shape[0]
+        length = self.prompt_length if self.prompt_length is not None else input_ids.shape[1]
+        if prompt_values is None:
+            prompt_values = torch.zeros((rows, length), dtype=torch.float64, device=input_ids.device)
+        if tuple(prompt_values.shape) != (rows, length):
+            raise ValueError(
+                f"numeric_values must have the shape of the prompt ids {(rows, length)}, "
+                f"got {tuple(prompt_values.shape)}"
+            )
+        self.numeric_values = prompt_values.to(device=input_ids.device, dtype=torch.float64)
+        self.loc_y = torch.full((rows, length), math.nan, dtype=torch.float32, device=input_ids.device)
+        self.scale_y = self.loc_y.clone()
+        self.prompt_length = self.pending_start = length
+        if self.num_beams > 1:
+            self.beams = _BeamHistory(rows, self.num_beams, input_ids)
+
+    def _check_number_values(self, predicted: torch.Tensor, is_num: torch.Tensor, start: int) -> None:
+        """A generated `<NUM>` needs a finite value: NaN is an error, a value clamped from ±inf a warning."""
+        taken = predicted[is_num]
+        if taken.numel() == 0:
+            return
+        if bool(torch.isnan(taken).any()):
+            raise RuntimeError(
+                f"the regression head predicted NaN for a generated <NUM> (at or after position {start}): the "
+                "model's outputs are not finite, so the number has no value to write or to feed back"
+            )
+        if not self.overflow_warned and bool((taken.abs() >= _MAX_VALUE).any()):
+            self.overflow_warned = True
+            warnings.warn(
+                "a generated <NUM>'s predicted value lies beyond the float64 range; it is written as "
+                f"±{_MAX_VALUE:.17g} so that generation can go on",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def finish(self, sequences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Values aligned with the final `sequences`, and the per-step regression outputs of the kept steps."""
-        values = self.sync(sequences, None)[:, : sequences.shape[1]]
-        kept = sequences.shape[1] - (self.prompt_length or 0)
-        if not self.step_loc_y:
+        """Values aligned with the final `sequences`, and the regression distribution of every generated position.
+
+        Positions no step predicted (a beam hypothesis's padding) have NaN `loc_Y` and `scale_Y`.
+        """
+        if self.beams is not None and self.numeric_values is not None:
+            values, loc_y, scale_y = self.beams.finish(self, sequences)
+        else:
+            values = self.sync(sequences, None)[:, : sequences.shape[1]]
+            loc_y, scale_y = self.loc_y, self.scale_y
+        if not self.has_values:
             return values, None, None
-        return values, torch.stack(self.step_loc_y, 1)[:, :kept], torch.stack(self.step_scale_y, 1)[:, :kept]
+        start = self.prompt_length
+        return values, loc_y[:, start:sequences.shape[1]], scale_y[:, start:sequences.shape[1]]
+
+    def pending_values(self) -> torch.Tensor | None:
+        """`[R, k]`: the values the last forward predicted for the positions it decided."""
+        return self.pending[0] if self.pending is not None else None
 
     def decide(
         self, action, loc_u: torch.Tensor, scale_u: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
-        """The mode's decision scores and distributions at the last position.
+        """The mode's decision scores and distributions at the positions the loop reads.
 
         Args:
             action: the model's `CausalQwenAction`.
-            loc_u, scale_u: `[B, n, C]`; only the last position is used.
+            loc_u, scale_u: `[R, n, C]`, the positions kept by `logits_to_keep` (1 in a plain step, the candidates
+                and one more when assisted decoding verifies candidates). `traditional` mode decides them all; the
+                other modes, whose decisions may draw at each step, the last one only.
 
         Returns:
-            `logits` `[B, 1, V]`, the scores the generation loop ranks (`loc_S` in `traditional` mode, else the
-            standardised margin `action.margin`), and the distributions `loc_S`, `scale_S` `[B, 1, V]` (`scale_S`
-            is None in `traditional` mode, which ranks loc_S alone), `loc_Y`, `scale_Y` `[B, 1]` (None without a
+            `logits` `[R, k, V]`, the scores the generation loop ranks (`loc_S` in `traditional` mode, else the
+            standardised margin `action.margin`), and the distributions `loc_S`, `scale_S` `[R, k, V]` (`scale_S`
+            is None in `traditional` mode, which ranks loc_S alone), `loc_Y`, `scale_Y` `[R, k]` (None without a
             regression head).
         """
-        loc_u, scale_u = loc_u[:, -1:], scale_u[:, -1:]
+        traditional = self.mode == "traditional"
+        if not traditional:
+            loc_u, scale_u = loc_u[:, -1:], scale_u[:, -1:]
         if self.mode == "causal":
             loc_in, scale_in = action.head_inputs(loc_u, scale_u, individual=self._draw(loc_u).unsqueeze(1))
         elif self.shared_noise:
             loc_in, scale_in = action.head_inputs(loc_u, scale_u, noise=self._draw(loc_u).unsqueeze(1))
         else:
             loc_in, scale_in = action.head_inputs(loc_u, scale_u)
-        traditional = self.mode == "traditional"
         # The softmax needs loc_S only: skip the pass over |W_cls| that scale_S would cost.
         loc_s, scale_s = action.classify(loc_in, None if traditional else scale_in)
         loc_y = scale_y = None
+        rows = loc_u.shape[1]
+        self.pending_start = self.synced_length - rows + 1
         if action.reg_head is not None:
+            self.has_values = True
             loc_y, scale_y = action.regress(loc_in, scale_in)
-            self.pending_value = shortest_float32(self.to_value(loc_y[:, -1].double()))
-            self.step_loc_y.append(loc_y[:, -1])
-            self.step_scale_y.append(scale_y[:, -1])
+            values = self.to_value(loc_y.double()).nan_to_num(nan=math.nan, posinf=_MAX_VALUE, neginf=-_MAX_VALUE)
+            values = shortest_float32(values.reshape(-1)).reshape(values.shape)
+            self.pending = (values, loc_y.float(), scale_y.float())
         logits = loc_s if traditional else action.margin(loc_s, scale_s)
         return logits, {"loc_S": loc_s, "scale_S": scale_s, "loc_Y": loc_y, "scale_Y": scale_y}
 
     def _draw(self, like: torch.Tensor) -> torch.Tensor:
-        """ε ~ U(0, 1)^[B, C]: fresh each step, or drawn once and reused when the mode shares it."""
+        """ε ~ U(0, 1)^[R, C]: fresh each step, or drawn once and reused when the mode shares it."""
         shared = self.shared_individual or self.shared_noise
         if shared and self.shared_draw is not None:
             return self.shared_draw
@@ -154,6 +244,125 @@ class CausalGenerationState:
         if shared:
             self.shared_draw = eps
         return eps
+
+
+_MAX_VALUE = torch.finfo(torch.float64).max
+
+
+class _BeamHistory:
+    """The numbers of beam search's hypotheses, which it reorders, drops and finishes at every step.
+
+    Beam search keeps `num_beams` rows per prompt and at each step rebuilds them from the best continuations of the
+    previous rows (transformers reorders its cache by the same `beam_idx`, out of this model's sight). A row's
+    numbers follow from its ids alone: a `<NUM>`'s value is the prediction made from the ids before it, and equal
+    ids of one prompt give equal predictions. So every step matches each new row's ids, less the last token, to a
+    previous row of its prompt, and takes that row's values and prediction. The predictions are also kept in a
+    trie of the generated ids (one node per distinct prefix, the prompt's at the root), because a returned
+    hypothesis may have left the running rows steps before the end; `finish` walks each returned sequence down it.
+    """
+
+    def __init__(self, rows: int, num_beams: int, input_ids: torch.Tensor):
+        self.num_beams = num_beams
+        self.groups = rows // num_beams
+        self.rows_ids = input_ids
+        self.nodes = [row // num_beams for row in range(rows)]  # the trie node of each row's ids
+        self.children: dict[tuple[int, int], int] = {}
+        self.predicted: dict[int, tuple[float, float, float]] = {}  # node → value, loc_Y, scale_Y of the next id
+        self.next_node = self.groups
+
+    def record(self, state: CausalGenerationState) -> None:
+        """Keep the last forward's prediction for each row's node."""
+        if state.pending is None:
+            return
+        value, loc, scale = (t[:, -1].tolist() for t in state.pending)
+        for row, node in enumerate(self.nodes):
+            self.predicted[node] = (value[row], loc[row], scale[row])
+
+    def follow(self, state: CausalGenerationState, input_ids: torch.Tensor) -> None:
+        """Reorder the state's rows after beam search rebuilt them; `input_ids` are the new rows."""
+        previous = self.rows_ids
+        if input_ids.shape[1] != previous.shape[1] + 1:
+            if input_ids.shape == previous.shape and torch.equal(input_ids, previous):
+                return
+            raise RuntimeError(f"beam search rows went from {tuple(previous.shape)} to {tuple(input_ids.shape)} ids")
+        self.record(state)
+        rows = input_ids.shape[0]
+        group = torch.arange(rows, device=input_ids.device) // self.num_beams
+        same = (input_ids[:, None, :-1] == previous[None, :, :].to(input_ids.device)).all(-1)
+        same &= group[:, None] == group[None, :]
+        if not bool(same.any(1).all()):
+            raise RuntimeError("a beam search row continues none of the previous rows of its prompt")
+        source = same.int().argmax(1)
+        state.numeric_values = state.numeric_values[source.to(state.numeric_values.device)]
+        state.loc_y, state.scale_y = state.loc_y[source], state.scale_y[source]
+        if state.pending is not None:
+            state.pending = tuple(t[source.to(t.device)] for t in state.pending)
+        tokens = input_ids[:, -1].tolist()
+        self.nodes = [self._child(self.nodes[j], t) for j, t in zip(source.tolist(), tokens, strict=True)]
+        self.rows_ids = input_ids
+
+    def _child(self, node: int, token: int) -> int:
+        found = self.children.get((node, token))
+        if found is None:
+            found = self.children[(node, token)] = self.next_node
+            self.next_node += 1
+        return found
+
+    def finish(self, state: CausalGenerationState, sequences: torch.Tensor):
+        """Values and regression distributions of the returned sequences, read from the trie."""
+        self.record(state)
+        rows, length = sequences.shape
+        per_prompt = rows // self.groups
+        start = state.prompt_length
+        prompts = torch.arange(rows) // per_prompt * self.num_beams
+        values = torch.zeros((rows, length), dtype=torch.float64)
+        values[:, :start] = state.numeric_values[prompts, :start].cpu()
+        loc_y = torch.full((rows, length), math.nan, dtype=torch.float32)
+        scale_y = loc_y.clone()
+        for row, ids in enumerate(sequences[:, start:].tolist()):
+            node = row // per_prompt
+            for offset, token in enumerate(ids):
+                predicted = self.predicted.get(node)
+                if predicted is None:
+                    break
+                position = start + offset
+                loc_y[row, position], scale_y[row, position] = predicted[1], predicted[2]
+                if token == state.num_token_id:
+                    if math.isnan(predicted[0]):
+                        state._check_number_values(torch.tensor([math.nan]), torch.tensor([True]), position)
+                    values[row, position] = predicted[0]
+                node = self.children.get((node, token))
+                if node is None:
+                    break
+        device = sequences.device
+        return values.to(device), loc_y.to(device), scale_y.to(device)
+
+
+class GeneratorSampling(LogitsProcessor):
+    """Draw the next token from the softmax of the processed scores with a `torch.Generator`.
+
+    transformers samples with `torch.multinomial` on torch's global RNG. Placed last, this processor draws the
+    token from the caller's generator instead and returns scores that are −inf except at that token, so that the
+    loop, run greedily, takes it: the global RNG is neither read nor changed, and concurrent calls on one model do
+    not share a random stream. The scores it saw are kept so that `output_scores` returns them rather than the mask.
+    """
+
+    def __init__(self, generator: torch.Generator, keep_scores: bool):
+        self.generator = generator
+        self.keep_scores = keep_scores
+        self.scores: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        probs = torch.softmax(scores.float(), dim=-1).to(self.generator.device)
+        tokens = torch.multinomial(probs, num_samples=1, generator=self.generator).to(scores.device)
+        if self.keep_scores:
+            self.scores.append(scores.clone())
+        chosen = torch.full_like(scores, -math.inf)
+        return chosen.scatter_(1, tokens, 0.0)
+
+
+_SOFTMAX_DECODINGS = (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE, GenerationMode.ASSISTED_GENERATION)
+"""Decoding strategies that only `traditional` mode can run, implied by them when no mode is named."""
 
 
 class CausalQwenGenerationMixin(GenerationMixin):
@@ -183,74 +392,255 @@ class CausalQwenGenerationMixin(GenerationMixin):
         generation_config=None,
         *,
         numeric_values: torch.Tensor | None = None,
-        mode: str = "standard",
+        mode: str | None = None,
         shared_individual: bool = False,
         shared_noise: bool = False,
         generator: torch.Generator | None = None,
         output_value_scores: bool = False,
         **kwargs,
-    ) -> torch.LongTensor | CausalQwenGenerateOutput:
+    ) -> torch.LongTensor | CausalQwenGenerateOutput | CausalQwenGenerateBeamOutput:
         r"""
         Generate with transformers' loop in one of the modes of docs/design.md §5.
 
         Args:
             inputs (`torch.LongTensor` of shape `(B, S)`): the prompt ids (left-padded for batches).
             numeric_values (`torch.Tensor` of shape `(B, S)`, *optional*): the prompt's numbers.
-            mode (`str`, defaults to `"standard"`):
+            mode (`str`, *optional*):
                 `"standard"`: argmax of the OvR probabilities; numbers are the median `loc_Y`.
                 `"causal"`: sample the individual u = loc_U + scale_U·tan(π(ε − ½)) and decide under the
                 noise alone; a fresh ε every step, or one per sequence with `shared_individual=True`.
                 `"traditional"`: softmax over `loc_S` with the usual `do_sample`, `temperature`, `top_k`,
-                `top_p`; greedy when `do_sample=False`, exactly as Qwen2.
+                `top_p`, beam search and assisted decoding; greedy when `do_sample=False`, exactly as Qwen2.
+                By default `"traditional"` when the call samples (`do_sample=True` in the keyword arguments, the
+                `generation_config` or the model's `generation_config`), runs beam search (`num_beams > 1`) or
+                assisted or prompt-lookup decoding, else `"standard"`.
             shared_individual (`bool`): `causal` mode only.
             shared_noise (`bool`): `standard` mode only; one ε_noise ~ Cauchy(0, 1) per sequence shifts U.
             generator (`torch.Generator`, *optional*): drives every random draw (ε is drawn as
-                `torch.rand(B, C)` from it), so a seed reproduces a generation.
+                `torch.rand(B, C)` from it, and traditional sampling draws its tokens from it), so a seed
+                reproduces a generation; torch's global RNG is left untouched.
             output_value_scores (`bool`): with `return_dict_in_generate=True`, also return the per-step
                 `loc_Y` and `scale_Y`.
             **kwargs: everything `GenerationMixin.generate` takes (`attention_mask`, `max_new_tokens`,
-                `eos_token_id`, `streamer`, `return_dict_in_generate`, ...).
+                `eos_token_id`, `streamer`, `return_dict_in_generate`, `num_beams`, `assistant_model`, ...).
 
         Returns:
             The ids `(B, L)` as Qwen2 returns them, or with `return_dict_in_generate=True` a
-            [`CausalQwenGenerateOutput`] that also carries `numeric_values` `(B, L)`.
+            [`CausalQwenGenerateOutput`] (beam search: [`CausalQwenGenerateBeamOutput`]) that also carries
+            `numeric_values` `(B, L)`.
         """
-        check_generation_options(mode, shared_individual, shared_noise, kwargs.get("do_sample"))
-        if kwargs.get("num_beams", 1) > 1 or (generation_config is not None and generation_config.num_beams > 1):
-            raise ValueError("num_beams > 1 is not supported: beams would reorder the numbers of each sequence")
+        resolved = _resolve_options(self, generation_config, kwargs)
+        sampling = resolved.do_sample is True
+        asked = kwargs["do_sample"] if "do_sample" in kwargs else getattr(generation_config, "do_sample", None)
+        num_beams = resolved.num_beams or 1
+        assistant_model = kwargs.get("assistant_model")
+        decoding = GenerationConfig.get_generation_mode(resolved, assistant_model)
+        if mode is None and decoding in _SOFTMAX_DECODINGS:
+            # Beam search and assisted decoding rank log-probabilities of the softmax over loc_S, which is what
+            # `traditional` mode gives: asked for without a mode, they imply it, as sampling does.
+            mode = "traditional"
+        mode = check_generation_options(mode if mode is not None else resolve_mode(None, sampling),
+                                        shared_individual, shared_noise, asked)
+        _check_decoding(decoding, mode, sampling, num_beams, generator, assistant_model, resolved.prefill_chunk_size)
         if mode != "traditional":
-            kwargs["do_sample"] = False
-            copies = kwargs.pop("num_return_sequences", None) or getattr(generation_config, "num_return_sequences", 1)
+            sampling = False
+            copies = resolved.num_return_sequences or 1
+            generation_config, kwargs = _override(generation_config, kwargs, do_sample=False,
+                                                  num_return_sequences=1)
             if copies > 1:
                 # Greedy search refuses several sequences per prompt; here each copy draws its own ε (causal) or
                 # noise (shared_noise), so repeat the prompts instead.
-                if generation_config is not None:
-                    generation_config = copy.deepcopy(generation_config)
-                    generation_config.num_return_sequences = 1
                 inputs, numeric_values, kwargs = _repeat_prompts(copies, inputs, numeric_values, kwargs)
-        config = generation_config if generation_config is not None else self.generation_config
-        return_dict = kwargs.pop("return_dict_in_generate", config.return_dict_in_generate)
+        prompt_ids = inputs if inputs is not None else kwargs.get("input_ids")
+        prompt_ids = prompt_ids if isinstance(prompt_ids, torch.Tensor) and prompt_ids.dim() == 2 else None
+        if numeric_values is not None and prompt_ids is not None and numeric_values.shape != prompt_ids.shape:
+            raise ValueError(
+                f"numeric_values must have the shape of the prompt ids {tuple(prompt_ids.shape)}, "
+                f"got {tuple(numeric_values.shape)}"
+            )
+        return_dict = kwargs.pop("return_dict_in_generate", resolved.return_dict_in_generate)
+        # The numbers come back with the output object: ask for it (on a copy of a config passed, so that transformers
+        # does not warn about a config passed together with generation keywords).
+        generation_config, kwargs = _override(generation_config, kwargs, return_dict_in_generate=True)
         state = CausalGenerationState(
             mode, shared_individual=shared_individual, shared_noise=shared_noise, generator=generator,
             num_token_id=self.config.num_token_id if self.config.use_numeric else None, to_value=self.to_value,
+            num_beams=num_beams, prompt_length=prompt_ids.shape[1] if prompt_ids is not None else None,
+            sample_with_generator=sampling and generator is not None,
         )
         if kwargs.get("streamer") is not None and state.num_token_id is not None:
             kwargs["streamer"] = StreamerWithNumbers(kwargs["streamer"], state, numeric_values)
         if state.num_token_id is not None:
-            check_numbers_have_values(inputs if inputs is not None else kwargs.get("input_ids"), numeric_values,
-                                      state.num_token_id)
-        sampling_rng = global_rng_from(generator if mode == "traditional" else None)
-        with sampling_rng:
-            output = super().generate(
-                inputs, generation_config, numeric_values=numeric_values, generation_state=state,
-                return_dict_in_generate=True, **kwargs,
-            )
+            check_numbers_have_values(prompt_ids, numeric_values, state.num_token_id)
+        output = super().generate(
+            inputs, generation_config, numeric_values=numeric_values, generation_state=state, **kwargs,
+        )
         values, loc_y, scale_y = state.finish(output.sequences)
         if not return_dict:
             return output.sequences
         if not output_value_scores:
             loc_y = scale_y = None
-        return CausalQwenGenerateOutput(**output, numeric_values=values, loc_Y=loc_y, scale_Y=scale_y)
+        kind = CausalQwenGenerateBeamOutput if isinstance(output, GenerateBeamDecoderOnlyOutput) else \
+            CausalQwenGenerateOutput
+        return kind(**output, numeric_values=values, loc_Y=loc_y, scale_Y=scale_y)
+
+    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
+        """transformers' greedy and sampling loop; with a generator, traditional sampling uses `GeneratorSampling`."""
+        state = model_kwargs.get("generation_state")
+        if state is None or not state.sample_with_generator or not generation_config.do_sample:
+            return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
+        # The warpers (temperature, top-k, top-p, ...) were built for sampling; the loop now takes the argmax of the
+        # scores the sampler leaves, which is the token it drew.
+        generation_config = copy.deepcopy(generation_config)
+        generation_config.do_sample = False
+        keep = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+        sampler = GeneratorSampling(state.generator, keep_scores=keep)
+        processors = LogitsProcessorList([*logits_processor, sampler])
+        output = super()._sample(input_ids, processors, stopping_criteria, generation_config, **model_kwargs)
+        if keep and not isinstance(output, torch.Tensor) and output.scores is not None:
+            output.scores = tuple(sampler.scores[: len(output.scores)])
+        return output
+
+    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                 assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
+        """transformers' candidate generator, kept off this model's numbers and stopped before any `<NUM>`.
+
+        The assistant receives the ids without this model's generation state (a Qwen2 assistant would refuse it; a
+        CausalQwen assistant gets its own, in `traditional` mode, and the values of the ids so far). Candidates are
+        cut before their first `<NUM>`: its value is this model's prediction at that position, which the verifying
+        forward only computes, so the ids after it would be verified against a wrong value. A `<NUM>` is then
+        always this model's own next token, with its own value, and the output equals plain greedy decoding.
+        """
+        state = model_kwargs.get("generation_state")
+        if state is None:
+            return super()._get_candidate_generator(
+                generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs, assistant_model,
+                target_tokenizer, assistant_tokenizer,
+            )
+        prompt_values = model_kwargs.get("numeric_values")
+        shared = {k: v for k, v in model_kwargs.items() if k not in ("generation_state", "numeric_values")}
+        numeric_assistant = isinstance(assistant_model, CausalQwenGenerationMixin) and bool(
+            getattr(assistant_model.config, "use_numeric", False))
+        if isinstance(assistant_model, CausalQwenGenerationMixin):
+            shared["mode"] = "traditional"
+        candidates = super()._get_candidate_generator(
+            generation_config, input_ids, inputs_tensor, logits_processor, shared, assistant_model,
+            target_tokenizer, assistant_tokenizer,
+        )
+        propose = candidates.get_candidates
+
+        def get_candidates(ids: torch.LongTensor, **kwargs):
+            values = state.sync(ids, prompt_values)
+            if numeric_assistant:
+                candidates.assistant_kwargs["numeric_values"] = values.to(assistant_model.device)
+            proposed, logits = propose(ids, **kwargs)
+            return _cut_before_number(proposed, logits, ids.shape[1], state.num_token_id)
+
+        candidates.get_candidates = get_candidates
+        return candidates
+
+
+@dataclass
+class CausalQwenGenerateBeamOutput(GenerateBeamDecoderOnlyOutput):
+    r"""
+    [`GenerateBeamDecoderOnlyOutput`] plus the numbers of the returned hypotheses, as in
+    [`CausalQwenGenerateOutput`] (`loc_Y`, `scale_Y` are NaN at positions after a hypothesis ended).
+    """
+
+    numeric_values: torch.Tensor | None = None
+    loc_Y: torch.Tensor | None = None
+    scale_Y: torch.Tensor | None = None
+
+
+_SUPPORTED_DECODING = {
+    GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE,
+    GenerationMode.ASSISTED_GENERATION,
+}
+
+
+@functools.cache
+def _generation_fields() -> tuple[str, ...]:
+    return tuple(GenerationConfig().to_dict())
+
+
+def _resolve_options(model, generation_config, kwargs: dict) -> SimpleNamespace:
+    """The generation options this call runs with, merged as transformers merges them, without validating them.
+
+    Keyword arguments first, then the `generation_config` passed, then the model's `generation_config` (as a
+    checkpoint's generation_config.json sets it), then transformers' defaults (an unset field is None in each).
+    Validation is left to transformers' own call: some combinations (several greedy sequences per prompt) are
+    valid here because this method rewrites them before passing them on.
+    """
+    names = _generation_fields()
+    values = dict(GenerationConfig._get_default_generation_params())
+    for source in (model.generation_config, generation_config):
+        if source is not None:
+            values.update({k: v for k, v in source.to_dict().items() if v is not None})
+    values.update({k: v for k, v in kwargs.items() if k in names})
+    return SimpleNamespace(**{name: values.get(name) for name in names})
+
+
+def _check_decoding(decoding, mode: str, sampling: bool, num_beams: int, generator, assistant_model,
+                    prefill_chunk_size: int | None) -> None:
+    """Refuse, naming the argument, the decoding strategies that the mode cannot run with its numbers."""
+    if decoding not in _SUPPORTED_DECODING:
+        raise ValueError(
+            f"CausalQwen generates by greedy search, sampling, beam search and assisted decoding; the generation "
+            f"options select {decoding.value}"
+        )
+    if prefill_chunk_size is not None:
+        raise ValueError(
+            f"prefill_chunk_size={prefill_chunk_size} is not supported: the numbers are aligned with the whole ids, "
+            "and a chunked prefill feeds the prompt in pieces"
+        )
+    if decoding == GenerationMode.ASSISTED_GENERATION:
+        argument = "assistant_model" if assistant_model is not None else "prompt_lookup_num_tokens"
+        if mode != "traditional":
+            raise ValueError(
+                f"{argument} (assisted decoding) needs mode='traditional', got {mode!r}: the candidates are verified "
+                "against the softmax's greedy choice"
+            )
+        if sampling:
+            raise ValueError(f"{argument} (assisted decoding) runs greedily here (do_sample=False); got do_sample=True")
+    if num_beams > 1:
+        if mode != "traditional":
+            raise ValueError(
+                f"num_beams={num_beams} needs mode='traditional', got {mode!r}: beam search ranks hypotheses by "
+                "summed log-probabilities, and only traditional mode's softmax gives them (the scores of the other "
+                "modes are standardised OvR margins)"
+            )
+        if sampling and generator is not None:
+            raise ValueError(
+                f"generator cannot drive beam sampling (num_beams={num_beams}, do_sample=True): transformers draws "
+                "the beams from torch's global RNG; seed it with torch.manual_seed instead"
+            )
+
+
+def _override(generation_config, kwargs: dict, **fields):
+    """Set generation fields for this call without touching the caller's objects."""
+    kwargs = dict(kwargs)
+    if generation_config is None:
+        kwargs.update(fields)
+        return None, kwargs
+    generation_config = copy.deepcopy(generation_config)
+    for name, value in fields.items():
+        setattr(generation_config, name, value)
+        if name in kwargs:
+            kwargs[name] = value
+    return generation_config, kwargs
+
+
+def _cut_before_number(candidates: torch.Tensor, logits: torch.Tensor | None, length: int, num_token_id: int | None):
+    """Keep the candidate ids after the first `length` up to, not including, their first `<NUM>`."""
+    if num_token_id is None or candidates.shape[1] <= length:
+        return candidates, logits
+    is_num = (candidates[0, length:] == num_token_id).nonzero()
+    if is_num.numel() == 0:
+        return candidates, logits
+    keep = int(is_num[0, 0])
+    if logits is not None:
+        logits = logits[:, :keep] if keep > 0 else None
+    return candidates[:, : length + keep], logits
 
 
 def _repeat_prompts(copies: int, inputs, numeric_values, kwargs: dict):
@@ -260,8 +650,6 @@ def _repeat_prompts(copies: int, inputs, numeric_values, kwargs: dict):
 
     kwargs = {**kwargs, **{k: repeat(kwargs[k]) for k in ("input_ids", "attention_mask") if k in kwargs}}
     return repeat(inputs), repeat(numeric_values), kwargs
-
-
 
 
 def shortest_float32(values: torch.Tensor) -> torch.Tensor:
@@ -300,10 +688,13 @@ class StreamerWithNumbers(BaseStreamer):
             self.seen_prompt = True
             values = self.prompt_values.reshape(-1) if self.prompt_values is not None else torch.zeros(ids.shape)
         else:
-            pending = self.state.pending_value
+            pending = self.state.pending_values()
             values = torch.zeros(ids.shape, dtype=torch.float64)
             if pending is not None and self.state.num_token_id is not None:
-                values = torch.where(ids.cpu() == self.state.num_token_id, pending.reshape(-1).cpu(), values)
+                # One row (streamers take batches of one); an assisted step may accept several ids at once.
+                predicted = pending.reshape(-1)[: ids.numel()].cpu()
+                values[: predicted.numel()] = predicted
+                values = torch.where(ids.cpu() == self.state.num_token_id, values, torch.zeros_like(values))
         cached = len(self.streamer.token_cache)
         aligned = (self.cached_values[len(self.cached_values) - cached:] if cached else []) + values.tolist()
         self.streamer.decode_kwargs["numeric_values"] = aligned
@@ -312,22 +703,3 @@ class StreamerWithNumbers(BaseStreamer):
 
     def end(self) -> None:
         self.streamer.end()
-
-
-@contextlib.contextmanager
-def global_rng_from(generator: torch.Generator | None) -> Iterator[None]:
-    """Seed the global RNG from `generator` for the duration, restoring it afterwards.
-
-    The generation loop samples with `torch.multinomial` on the global RNG; seeding it from the caller's
-    generator makes `traditional` sampling reproducible too, without disturbing the caller's global state.
-    Only `traditional` mode uses it, so that in the other modes the generator's first draws are the ε.
-    """
-    if generator is None:
-        yield
-        return
-    seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
-    # torch.manual_seed seeds every CUDA device too: fork them all so that the caller's states come back.
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield

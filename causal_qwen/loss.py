@@ -120,6 +120,8 @@ def causal_qwen_loss(
     detach_gate: bool = True,
     value_transform: str = "identity",
     num_items_in_batch: int | torch.Tensor | None = None,
+    shift_labels: torch.Tensor | None = None,
+    shift_numeric_labels: torch.Tensor | None = None,
 ) -> CausalLoss:
     """The total loss of docs/design.md §4 from unshifted head outputs and labels.
 
@@ -135,11 +137,14 @@ def causal_qwen_loss(
             instead of by this batch's count, and the regression mean enters the total weighted by this
             batch's share of valid positions, so that summing micro-batch losses (as `Trainer` does) gives
             the valid-position-weighted average of their regression means instead of multiplying it.
+        shift_labels, shift_numeric_labels: targets (and their values) already shifted, which replace the shift of
+            `labels` (context-parallel training); see `labels.next_token_targets`.
 
     Returns:
         `CausalLoss` with `loss = cls_loss + reg_loss_weight · reg_loss`, fp32 scalars.
     """
-    targets, target_values = next_token_targets(labels, numeric_labels)
+    targets, target_values = next_token_targets(labels, numeric_labels, shift_labels=shift_labels,
+                                                shift_numeric_labels=shift_numeric_labels)
     valid = (targets != IGNORE_INDEX).reshape(-1)
     vocab = loc_s.shape[-1]
     cls_per_position = ovr_classification_loss(
@@ -176,6 +181,8 @@ def fused_causal_qwen_loss(
     chunk_size: int | None = None,
     vocab_chunk_size: int | None = None,
     memory_budget: int | None = None,
+    shift_labels: torch.Tensor | None = None,
+    shift_numeric_labels: torch.Tensor | None = None,
 ) -> CausalLoss:
     """`causal_qwen_loss` of the head `loc_S = loc_U·Wᵀ + b`, `scale_S = max(scale_U'·|W|ᵀ, scale_min)`, fused.
 
@@ -187,13 +194,14 @@ def fused_causal_qwen_loss(
         weight, bias, threshold: W_cls `[V, C]`, b_cls `[V]` (or None), C (`[V]`, scalar or float).
         loc_y, scale_y: `[B, S]` regression distribution, or None for the text-only model.
         labels, numeric_labels, num_token_id, gate_alpha, reg_loss_weight, detach_gate, value_transform,
-            num_items_in_batch: as in `causal_qwen_loss`.
+            num_items_in_batch, shift_labels, shift_numeric_labels: as in `causal_qwen_loss`.
         scale_min: the floor on scale_S.
         chunk_size, vocab_chunk_size, memory_budget: tiling, as in `chunked_ovr_loss`.
     """
     # Targets keep the [B, S] shape (the last position unlabelled), so loc_u and scale_u are used whole and
     # flattening them is a view, not a copy.
-    targets, target_values = next_token_targets(labels, numeric_labels)
+    targets, target_values = next_token_targets(labels, numeric_labels, shift_labels=shift_labels,
+                                                shift_numeric_labels=shift_numeric_labels)
     loss_sum, valid_count, _ = chunked_ovr_loss(
         loc_u, scale_u_noisy, weight, bias, threshold, targets, scale_min=scale_min, chunk_size=chunk_size,
         vocab_chunk_size=vocab_chunk_size, memory_budget=memory_budget,

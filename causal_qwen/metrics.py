@@ -220,7 +220,6 @@ def evaluate(
         collected.append(position_statistics(model, out.loc_S, out.scale_S, out.loc_Y, out.scale_Y, out.loc_U,
                                              out.scale_U, labels, numeric_labels, generator).reshape(-1, len(FIELDS)))
     model.train(was_training)
-    model.action.clear_cache()
     stats = torch.cat(collected, 0)
     metrics = summarize(stats, model)
     return (metrics, stats) if return_statistics else metrics

@@ -5,8 +5,8 @@ every use of the heads, the loss included), the pretrained-model base with its i
 `CausalQwenForCausalLM`, whose forward reads embed → backbone → abduction → heads and loss.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: transformers reads the forward's `**kwargs: Unpack[TransformersKwargs]`
+# annotation at run time (e.g. to tell whether the model can return attentions), which a string would hide.
 import copy
 import math
 import os
@@ -21,11 +21,12 @@ from transformers.conversion_mapping import register_checkpoint_conversion_mappi
 from transformers.core_model_loading import ConversionOps, WeightConverter
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.qwen2.modeling_qwen2 import Qwen2PreTrainedModel
-from transformers.utils import ModelOutput, can_return_tuple
+from transformers.processing_utils import Unpack
+from transformers.utils import ModelOutput, TransformersKwargs, can_return_tuple
 
 from . import cauchy
 from .cauchy import kl_divergence, quantile, symlog
-from .checks import check_forward_inputs
+from .checks import check_forward_inputs, check_forward_replacement
 from .configuration import CausalQwenConfig
 from .conversion import convert_qwen
 from .generation import CausalGenerationState, CausalQwenGenerationMixin
@@ -35,7 +36,7 @@ from .modelcard import write_model_card
 
 __all__ = [
     "CausalQwenOutput", "CausalQwenActionOutput", "CausalQwenNumericEmbedding", "CausalQwenAbduction",
-    "CausalQwenAction", "CausalQwenPreTrainedModel", "CausalQwenForCausalLM",
+    "CausalQwenAction", "CausalQwenPreTrainedModel", "CausalQwenModel", "CausalQwenForCausalLM",
 ]
 
 
@@ -109,8 +110,12 @@ class CausalQwenNumericEmbedding(nn.Module):
         tensor values), so that `d_num` and `w_num` are in the autograd graph of every batch.
         """
         is_num = input_ids == self.num_token_id
-        has_values = numeric_values is not None and bool((numeric_values != 0).any())
-        if not keep_in_graph and not has_values and not bool(is_num.any()):
+        if torch.compiler.is_compiling():
+            # No data-dependent branch in a traced graph: add both terms (each is 0 where there is no number).
+            has_values = numeric_values is not None
+        else:
+            has_values = numeric_values is not None and bool((numeric_values != 0).any())
+        if not keep_in_graph and not has_values and not torch.compiler.is_compiling() and not bool(is_num.any()):
             # Nothing to add; returning the embedding unchanged also keeps d_num and w_num out of the graph, so a
             # text-only training step does not backpropagate through the frozen backbone.
             return inputs_embeds
@@ -195,7 +200,6 @@ class CausalQwenAction(nn.Module):
         else:
             self.register_buffer("threshold", threshold, persistent=True)
         self.scale_min = config.scale_min
-        self._abs_weight_cache: tuple[tuple, torch.Tensor] | None = None
         if _deepspeed_zero3_enabled():
             self.register_zero3_heads()
 
@@ -237,6 +241,8 @@ class CausalQwenAction(nn.Module):
         chunk_size: int | None = None,
         vocab_chunk_size: int | None = None,
         memory_budget: int | None = None,
+        shift_labels: torch.Tensor | None = None,
+        shift_numeric_labels: torch.Tensor | None = None,
     ) -> CausalQwenActionOutput:
         """The heads on `(loc_U, scale_U)` `[B, S, C]`, and with `labels` the loss of docs/design.md §4.
 
@@ -247,6 +253,8 @@ class CausalQwenAction(nn.Module):
             num_items_in_batch: see `loss.causal_qwen_loss`.
             loss_options: the loss's options; by default `LossOptions.from_config(self.config)`.
             chunk_size, vocab_chunk_size, memory_budget: tiling of the fused loss (`chunked_loss.chunked_ovr_loss`).
+            shift_labels, shift_numeric_labels: targets already shifted, as in [`CausalQwenForCausalLM.forward`];
+                with them the loss is computed (from them) even without `labels`.
         """
         self._check_zero3_heads()
         scale = self.noisy_scale(scale_u)
@@ -256,8 +264,9 @@ class CausalQwenAction(nn.Module):
         if self.reg_head is not None:
             loc_y, scale_y = self.regress(loc_u, scale)
         losses = None
-        if labels is not None:
+        if labels is not None or shift_labels is not None:
             options = asdict(loss_options or LossOptions.from_config(self.config))
+            options.update(shift_labels=shift_labels, shift_numeric_labels=shift_numeric_labels)
             if output_distributions:
                 losses = causal_qwen_loss(loc_s, scale_s, loc_y, scale_y, labels, numeric_labels,
                                           threshold=self.threshold, num_items_in_batch=num_items_in_batch, **options)
@@ -275,6 +284,21 @@ class CausalQwenAction(nn.Module):
             reg_loss=losses.reg_loss if losses is not None else None,
             loc_S=loc_s, scale_S=scale_s, loc_Y=loc_y, scale_Y=scale_y,
         )
+
+    def resize_threshold(self, num_classes: int) -> None:
+        """Give the threshold `num_classes` entries (after the class head was resized): kept where the class stays,
+        `config.ovr_threshold` for new classes."""
+        old = self.threshold
+        if old.shape[0] == num_classes:
+            return
+        with torch.no_grad():
+            new = torch.full((num_classes,), float(self.config.ovr_threshold), dtype=old.dtype, device=old.device)
+            kept = min(num_classes, old.shape[0])
+            new[:kept] = old[:kept]
+        if isinstance(old, nn.Parameter):
+            self.threshold = nn.Parameter(new, requires_grad=old.requires_grad)
+        else:
+            self.threshold = new
 
     def _unused_value_head_zero(self) -> torch.Tensor | float:
         """0 · the value head's trainable parameters: a batch without a `<NUM>` target leaves them out of the loss.
@@ -337,26 +361,13 @@ class CausalQwenAction(nn.Module):
         if torch.is_grad_enabled() and weight.requires_grad:
             loc_s, scale_s = cauchy.linear(loc, scale, weight, self.cls_head.bias)
         else:
-            loc_s = nn.functional.linear(loc, weight, self.cls_head.bias)
-            scale_s = nn.functional.linear(scale, self.abs_cls_weight())
+            # |W_cls| block by block, never cached: a cache keyed on the weight's version counter went stale after
+            # writes through `.data` (EMA, weight averaging), which do not bump it (docs/design.md §9).
+            loc_s, scale_s = cauchy.linear_by_blocks(loc, scale, weight, self.cls_head.bias)
         return loc_s, scale_s.clamp(min=self.scale_min)
 
-    def abs_cls_weight(self) -> torch.Tensor:
-        """|W_cls|, kept between calls while W_cls is unchanged (generation reads it at every step).
-
-        Building |W_cls| costs a pass over the `[V, C]` matrix and a new one of the same size; the cache is keyed
-        by the weight's storage and version counter, so any in-place update (an optimiser step) rebuilds it.
-        The cache outlives a `generate` call, so that the next one does not pay for it again; `clear_cache()` frees
-        it, and so does switching the model to training mode.
-        """
-        weight = self.cls_head.weight
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
-        if self._abs_weight_cache is None or self._abs_weight_cache[0] != key:
-            self._abs_weight_cache = (key, weight.detach().abs())
-        return self._abs_weight_cache[1]
-
     def clear_cache(self) -> None:
-        self._abs_weight_cache = None
+        """Nothing is cached any more (|W_cls| is built block by block, see `classify`); kept for existing callers."""
 
     def regress(self, loc: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Regression output `(loc_Y, scale_Y)` `[...]` from a Cauchy input `[..., C]`."""
@@ -439,6 +450,19 @@ class CausalQwenPreTrainedModel(Qwen2PreTrainedModel):
             super()._init_weights(module)
 
 
+class CausalQwenModel(Qwen2Model):
+    """The bare Qwen2 backbone of a CausalQwen checkpoint: what `AutoModel` gives for a CausalQwen config.
+
+    A `Qwen2Model` (as `AutoModel` gives for a Qwen2 config) that takes the CausalQwen config, so that
+    `AutoModel.from_pretrained` of a CausalQwen folder loads the backbone `model.*` alone, like Qwen2's; the numeric
+    embedding and the causal heads are not part of it, so a `<NUM>` input is read by its token embedding only.
+    """
+
+    config_class = CausalQwenConfig
+    # The causal modules of the full checkpoint (as Qwen2's `lm_head`) are not the backbone's.
+    _keys_to_ignore_on_load_unexpected = [r"^(numeric_embedding|abduction|abduction_anchor|action)\."]
+
+
 class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel):
     """A drop-in for `Qwen2ForCausalLM` that reads numbers as values and decides with OvR Cauchy heads.
 
@@ -478,35 +502,50 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
         logits_to_keep: int | torch.Tensor = 0,
         output_distributions: bool | None = None,
         generation_state: CausalGenerationState | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> CausalQwenOutput:
         r"""
         Args:
             input_ids (`torch.LongTensor` of shape `(B, S)`): token ids, `<NUM>` where a number stands.
             numeric_values (`torch.Tensor` of shape `(B, S)`, *optional*):
-                The value of each `<NUM>`, 0 elsewhere (float64 from the tokenizer keeps every digit).
+                The value of each `<NUM>`, 0 elsewhere (float64 from the tokenizer keeps every digit); a value at
+                another id raises `ValueError` (the values would not be aligned with the ids).
             labels (`torch.LongTensor` of shape `(B, S)`, *optional*):
                 Next-token targets, unshifted, −100 where no loss is wanted.
             numeric_labels (`torch.Tensor` of shape `(B, S)`, *optional*):
                 True values read where a label is `<NUM>`; defaults to `numeric_values`.
             logits_to_keep (`int` or `torch.Tensor`): compute the heads at these positions only
-                (`generate` passes 1). Ignored when `labels` is given.
+                (`generate` passes 1). Ignored when `labels` (or `shift_labels`) is given.
             output_distributions (`bool`, *optional*): return `loc_S`/`scale_S` (and `logits`). By default they
                 are returned except in a training step with `labels`, which then takes the fused chunked path of
                 `causal_qwen.chunked_loss` (same loss and gradients, no `[B, S, V]` tensor); `loc_Y`, `scale_Y`,
                 `loc_U`, `scale_U` are always returned.
             generation_state (`CausalGenerationState`, *optional*): set by `generate`; the heads then run
-                at the last position only, in the generation mode, and `logits` holds that mode's
-                decision scores.
+                in the generation mode at the positions `logits_to_keep` kept (the last one outside `traditional`
+                mode), and `logits` holds that mode's decision scores.
+            shift_labels (`torch.LongTensor` of shape `(B, S)`, *optional*, a keyword in `kwargs` as in Qwen2):
+                Targets already shifted (`shift_labels[:, i]` is the target of position i), as context-parallel
+                training passes them (Trainer, accelerate; transformers' `ForCausalLMLoss` takes them alike): the loss
+                is computed from them instead of from the shift of `labels`.
+            shift_numeric_labels (`torch.Tensor` of shape `(B, S)`, *optional*, a keyword in `kwargs`):
+                The values of `shift_labels`, already shifted. By default `numeric_labels` (or `numeric_values`) is
+                shifted like the labels, which cannot give the value of the last position's target: a `<NUM>` target
+                there needs `shift_numeric_labels`.
 
         Returns:
             [`CausalQwenOutput`].
         """
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
-        check_forward_inputs(self.config, input_ids, numeric_values, inputs_embeds, labels, numeric_labels)
+        # Keywords, not parameters: Trainer takes every forward parameter named "*label*" for a label it must be given
+        # (`label_names`), and these come only with context parallelism.
+        shift_labels = kwargs.pop("shift_labels", None)
+        shift_numeric_labels = kwargs.pop("shift_numeric_labels", None)
+        check_forward_inputs(self.config, input_ids, numeric_values, inputs_embeds, labels, numeric_labels,
+                             shift_labels, shift_numeric_labels)
+        has_targets = labels is not None or shift_labels is not None
         # Under a sharding engine every rank must run the same collectives, so every training batch goes through
         # the numeric embedding (and so backpropagates through the backbone), numbers or not.
-        same_graph = self.training and labels is not None and _sharded_training()
+        same_graph = self.training and has_targets and _sharded_training()
         if inputs_embeds is None:
             inputs_embeds = self.model.embed_tokens(input_ids)
             if self.numeric_embedding is not None:
@@ -522,26 +561,28 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
-        if labels is None:
+        if not has_targets:
             hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
         loc_u, scale_u = self.abduction(hidden_states)
 
         if generation_state is not None:
             logits, distributions = generation_state.decide(self.action, loc_u, scale_u)
             heads = CausalQwenActionOutput(**distributions)
-            loc_u, scale_u = loc_u[:, -1:], scale_u[:, -1:]
+            rows = logits.shape[1]  # the positions the mode decided
+            loc_u, scale_u = loc_u[:, -rows:], scale_u[:, -rows:]
         else:
             if output_distributions is None:
                 # A training step needs only the loss: the fused path never builds the [B, S, V] head.
-                output_distributions = labels is None or not self.training
+                output_distributions = not has_targets or not self.training
             heads = self.action(
                 loc_u, scale_u, labels, numeric_labels if numeric_labels is not None else numeric_values,
                 output_distributions=output_distributions, num_items_in_batch=num_items_in_batch,
+                shift_labels=shift_labels, shift_numeric_labels=shift_numeric_labels,
             )
             logits = heads.loc_S
-            if labels is not None:
+            if has_targets:
                 heads.loss = heads.loss + self._extra_training_loss(hidden_states, loc_u, scale_u, labels,
-                                                                    num_items_in_batch, same_graph)
+                                                                    num_items_in_batch, shift_labels, same_graph)
 
         return CausalQwenOutput(
             loss=heads.loss,
@@ -564,8 +605,9 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
         hidden_states: torch.Tensor,
         loc_u: torch.Tensor,
         scale_u: torch.Tensor,
-        labels: torch.Tensor,
+        labels: torch.Tensor | None,
         num_items_in_batch: int | torch.Tensor | None,
+        shift_labels: torch.Tensor | None = None,
         numeric_embedding_in_graph: bool = False,
     ) -> torch.Tensor:
         """The anchor term β·KL (docs/design.md §7), plus 0 · the numeric embedding's parameters.
@@ -587,7 +629,7 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
             with torch.no_grad():
                 anchor_loc, anchor_scale = self.abduction_anchor(hidden_states)
             kl = kl_divergence(loc_u.float(), scale_u.float(), anchor_loc.float(), anchor_scale.float()).sum(-1)
-            valid = next_token_targets(labels)[0] != IGNORE_INDEX
+            valid = next_token_targets(labels, shift_labels=shift_labels)[0] != IGNORE_INDEX
             denominator = num_items_in_batch if num_items_in_batch is not None else valid.sum()
             extra = extra + self.config.abduction_anchor_weight * safe_mean(kl[valid].sum(), denominator)
         if self.training and self.numeric_embedding is not None and not numeric_embedding_in_graph:
@@ -655,16 +697,45 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
         return model
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs):
-        """`PreTrainedModel.save_pretrained`, plus a model card (README.md) when the folder has none."""
+        """`PreTrainedModel.save_pretrained`, plus a model card (README.md) when the folder has none.
+
+        A model whose code is saved beside the weights (`register_for_auto_class`, done by `import causal_qwen`)
+        also names its backbone for `AutoModel` in the config's `auto_map`, as the registered `AutoModel` does.
+        """
+        if self._auto_class is not None:
+            auto_map = dict(getattr(self.config, "auto_map", None) or {})
+            backbone = CausalQwenModel
+            auto_map.setdefault("AutoModel", f"{backbone.__module__.rsplit('.', 1)[-1]}.{backbone.__name__}")
+            self.config.auto_map = auto_map
         result = super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             write_model_card(save_directory, self.config)
         return result
 
-    def train(self, mode: bool = True):
-        if mode:
-            self.action.clear_cache()  # training steps read W_cls itself, never the cached |W_cls|
-        return super().train(mode)
+    def __setattr__(self, name: str, value) -> None:
+        # TRL's trainers install a softmax LM head over the bare backbone as `forward`: refused (docs/design.md §10).
+        if name == "forward" and not check_forward_replacement(value):
+            return
+        super().__setattr__(name, value)
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> nn.Embedding:
+        """`PreTrainedModel.resize_token_embeddings`, which resizes the embedding and the class head, and the
+        per-class threshold with them (new classes start at `config.ovr_threshold`).
+
+        A vocabulary that would no longer hold `<NUM>` (`num_token_id`) raises a `ValueError`, before anything is
+        changed.
+        """
+        target = new_num_tokens if new_num_tokens is not None else self.get_input_embeddings().weight.shape[0]
+        if isinstance(pad_to_multiple_of, int) and not isinstance(pad_to_multiple_of, bool) and pad_to_multiple_of > 0:
+            target = math.ceil(target / pad_to_multiple_of) * pad_to_multiple_of
+        num_token_id = self.config.num_token_id
+        if self.config.use_numeric and num_token_id is not None and num_token_id >= target:
+            raise ValueError(f"resizing the vocabulary to {target} tokens would drop <NUM> (num_token_id "
+                             f"{num_token_id}); keep at least {num_token_id + 1} tokens")
+        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        self.action.resize_threshold(self.action.cls_head.out_features)
+        return embeddings
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.action.cls_head

@@ -37,7 +37,7 @@ class CausalQwenTextGenerationPipeline(TextGenerationPipeline):
     @property
     def _default_generation_config(self) -> GenerationConfig:
         # The stock default samples from the softmax, which only `traditional` mode does; CausalQwen's own modes
-        # decide by argmax, so its default leaves `do_sample` to the mode (pass `do_sample=True` with traditional).
+        # decide by argmax, so its default leaves `do_sample` to the call (`do_sample=True` selects traditional).
         if _is_causal_qwen(self.model):
             return GenerationConfig(max_new_tokens=256)
         return TextGenerationPipeline._default_generation_config

@@ -247,10 +247,13 @@ class CausalQwenTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        self._record_loss_parts(model, outputs)
+        return (loss, outputs) if return_outputs else loss
+
+    def _record_loss_parts(self, model, outputs) -> None:
         if model.training and isinstance(outputs, dict) and outputs.get("cls_loss") is not None:
             for name in self._loss_parts:
                 self._loss_parts[name].append(float(outputs[name].detach()))
-        return (loss, outputs) if return_outputs else loss
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs and self._loss_parts["loss"]:

@@ -23,7 +23,8 @@ def main() -> None:
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
     )).eval()
     num_token_id = 250  # a spare row of the vocabulary, as 151,665 is for Qwen2.5
-    model = CausalQwenForCausalLM.from_qwen(qwen, num_token_id=num_token_id)
+    # A random vocabulary has no digit tokens to start the <NUM> row from: keep Qwen's row of that id.
+    model = CausalQwenForCausalLM.from_qwen(qwen, num_token_id=num_token_id, num_row_init="copy")
 
     ids = torch.randint(0, 200, (4, 12))
     with torch.no_grad():

@@ -15,6 +15,19 @@ QWEN25_TOOL = REPO_ROOT.parent / "shared" / "tools" / "get-qwen25-0.5b"
 QWEN25_DIR = Path(os.environ.get("CAUSAL_QWEN_QWEN25_DIR", Path.home() / ".cache" / "causal_qwen" / "qwen2.5-0.5b"))
 
 
+# Markers of transformers' test tree, which tests/test_transformers_generic.py runs (registered to keep them quiet).
+TRANSFORMERS_TREE_MARKERS = (
+    "accelerate_tests", "executorch_export_test", "flash_attn_3_test", "flash_attn_4_test", "flash_attn_test",
+    "generate", "is_fsdp_test", "is_pipeline_test", "is_tensor_parallel_test", "is_training_test", "onnx_export_test",
+    "timeout", "torch_compile_test", "torch_export_test",
+)
+
+
+def pytest_configure(config) -> None:
+    for marker in TRANSFORMERS_TREE_MARKERS:
+        config.addinivalue_line("markers", f"{marker}: a marker of transformers' test tree")
+
+
 @pytest.fixture(scope="session")
 def qwen25_dir() -> Path:
     """Folder of the real Qwen2.5-0.5B (weights + tokenizer); built once by the shared tool, then cached."""

@@ -88,3 +88,17 @@ def test_symlog_roundtrip():
     v = torch.tensor([-1e6, -2.5, 0.0, 0.5, 123.0], dtype=torch.float64)
     torch.testing.assert_close(cauchy.symexp(cauchy.symlog(v)), v)
     assert cauchy.symlog(torch.tensor(0.0)).item() == 0.0
+
+
+@pytest.mark.parametrize("block_rows", [None, 1, 7, 64, 1000])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_linear_by_blocks_equals_linear(block_rows, with_bias):
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(100, 16, generator=g)
+    bias = torch.randn(100, generator=g) if with_bias else None
+    loc = torch.randn(3, 2, 16, generator=g)
+    scale = torch.rand(3, 2, 16, generator=g)
+    got = cauchy.linear_by_blocks(loc, scale, weight, bias, block_rows=block_rows)
+    for a, b in zip(got, cauchy.linear(loc, scale, weight, bias), strict=True):
+        assert a.shape == b.shape == (3, 2, 100)
+        torch.testing.assert_close(a, b)

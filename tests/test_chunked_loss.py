@@ -374,3 +374,82 @@ def test_model_loss_through_the_chunked_path(tiny_qwen):
     assert got.reg_loss.item() == pytest.approx(out.reg_loss.item(), rel=1e-5) and got.reg_loss.item() != 0.0
     grads = torch.autograd.grad(got.loss, params, allow_unused=True, materialize_grads=True)
     assert_grads_close(grads, want, rtol=1e-4, atol_fraction=1e-5)
+
+
+def atan2_reference_sum(loc_u, scale_u, weight, bias, threshold, targets, scale_min):
+    """`reference_sum` with the atan2 forms, so that float64 keeps P ≈ 1e-20 (the atan form cancels there)."""
+    loc_s = loc_u @ weight.T + bias
+    scale_s = (scale_u @ weight.abs().T).clamp(min=scale_min)
+    d = loc_s - threshold
+    log_p, log_q = torch.log(torch.atan2(scale_s, -d) / math.pi), torch.log(torch.atan2(scale_s, d) / math.pi)
+    onehot = torch.nn.functional.one_hot(targets.clamp(min=0), weight.shape[0]).to(log_p.dtype)
+    per_position = -(onehot * log_p + (1 - onehot) * log_q).sum(-1)
+    return per_position[targets != -100].sum()
+
+
+@pytest.mark.parametrize("case", ["far_from_threshold", "tiny_floor"])
+def test_straightforward_gradients_finite_where_atan2_backward_overflows(case):
+    """|loc_S − C| ≈ 1e20 (s² + d² overflows fp32) or a floor of 1e-39 (1/P overflows): the straightforward path's
+    gradients stay finite and equal float64's and the fused path's."""
+    *tensors, targets = make_inputs()
+    scale_min = SCALE_MIN
+    with torch.no_grad():
+        if case == "far_from_threshold":
+            tensors[3][30:60] = 1e20   # far above: P = 1 in fp32
+            tensors[3][60:90] = -1e20  # far below: P ≈ 1e-21
+            targets[3:33:2] = torch.arange(30, 90, 4)
+        else:
+            scale_min = 1e-39          # a subnormal floor in fp32
+            tensors[2][:20] = 0.0      # scale_S = the floor for these classes; class 5 is a target
+    ref_tensors = float64_copies(tensors)
+    ref = atan2_reference_sum(*ref_tensors, targets, scale_min=scale_min)
+    fused, _, _ = chunked_ovr_loss(*tensors, targets, scale_min=scale_min, vocab_chunk_size=37)
+    plain = straightforward_sum(*tensors, targets, scale_min=scale_min)
+    assert torch.isfinite(ref) and plain.item() == pytest.approx(ref.item(), rel=1e-5)
+    assert fused.item() == pytest.approx(ref.item(), rel=1e-5)
+    want = grads_of(ref, ref_tensors)
+    assert_grads_close(grads_of(plain, tensors), want, rtol=1e-4, atol_fraction=1e-5)
+    assert_grads_close(grads_of(fused, tensors), want, rtol=1e-4, atol_fraction=1e-5)
+
+
+@pytest.mark.parametrize("d,s", [(1e20, 1.0), (-1e20, 1.0), (-3e19, 1e-3), (2.0, 1e-39), (-2.0, 1e-39),
+                                 (0.5, 3e-39), (1e-3, 1.0), (-40.0, 1e-30)])
+def test_ovr_probability_and_log_probs_gradients_against_float64(d, s):
+    loc = torch.tensor([d], requires_grad=True)
+    scale = torch.tensor([s], requires_grad=True)
+    loc64, scale64 = loc.detach().double().requires_grad_(), scale.detach().double().requires_grad_()
+    p, (log_p, log_q) = cauchy.ovr_probability(loc, scale, 0.0), cauchy.ovr_log_probs(loc, scale, 0.0)
+    p64 = torch.atan2(scale64, -loc64) / math.pi
+    log_p64, log_q64 = torch.log(p64), torch.log(torch.atan2(scale64, loc64) / math.pi)
+    for got, want in ((p, p64), (log_p, log_p64), (log_q, log_q64)):
+        g_loc, g_scale = torch.autograd.grad(got.sum(), (loc, scale), retain_graph=True)
+        w_loc, w_scale = torch.autograd.grad(want.sum(), (loc64, scale64), retain_graph=True)
+        for g, w in ((g_loc, w_loc), (g_scale, w_scale)):
+            if abs(w.item()) < 3e38:  # representable in fp32: finite and accurate (subnormals may flush to 0)
+                assert torch.isfinite(g).all()
+                torch.testing.assert_close(g.double(), w, rtol=2e-4, atol=torch.finfo(torch.float32).tiny)
+
+
+@pytest.mark.parametrize("case", ["far_from_threshold", "tiny_floor"])
+def test_training_a_model_left_in_eval_mode_has_finite_gradients(tiny_qwen, case):
+    """`from_qwen` returns the model in eval mode; training it so takes the straightforward path, whose gradients
+    must equal the fused path's (a training-mode step) where autograd's atan2 backward overflowed."""
+    extra = {"scale_min": 1e-39} if case == "tiny_floor" else {}
+    model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=120, ovr_threshold=0.5, **extra)
+    with torch.no_grad():
+        if case == "far_from_threshold":
+            model.action.cls_head.bias[:40] = 1e20
+            model.action.cls_head.bias[40:80] = -1e20
+        else:
+            model.action.cls_head.weight[:50] = 0.0  # scale_S at the floor for these classes
+    ids = torch.randint(0, 100, (2, 7))
+    params = [p for p in model.parameters() if p.requires_grad]
+    losses, grads = [], []
+    for training in (False, True):
+        model.train(training)
+        out = model(ids, labels=ids)
+        assert (out.loc_S is not None) == (not training)
+        losses.append(out.loss.item())
+        grads.append(torch.autograd.grad(out.loss, params, allow_unused=True, materialize_grads=True))
+    assert math.isfinite(losses[0]) and losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert_grads_close(grads[0], grads[1], rtol=1e-4, atol_fraction=1e-5)

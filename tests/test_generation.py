@@ -188,7 +188,7 @@ def test_eos_stops_and_pads(model):
     (dict(mode="causal", shared_noise=True), "shared_noise"),
     (dict(mode="standard", do_sample=True), "do_sample"),
     (dict(numeric_values=torch.zeros(3, 5, dtype=torch.float64)), "numeric_values"),
-    (dict(num_beams=2), "num_beams"),
+    (dict(mode="standard", num_beams=2), "num_beams"),  # without a mode, beams imply traditional
 ])
 def test_bad_generation_arguments(model, kwargs, match):
     ids, mask = left_padded_batch()
@@ -207,3 +207,304 @@ def test_real_qwen25_traditional_greedy_equals_qwen2(qwen25_dir):
     expected = qwen.generate(**batch, max_new_tokens=8, do_sample=False)
     got = model.generate(**batch, max_new_tokens=8, mode="traditional", do_sample=False)
     assert torch.equal(got, expected)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Generation options resolved as transformers resolves them
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_a_generation_config_with_unset_fields_runs_like_keywords(model):
+    ids, mask = left_padded_batch()
+    from transformers import GenerationConfig
+
+    got = model.generate(ids, attention_mask=mask, generation_config=GenerationConfig(max_new_tokens=5,
+                                                                                      pad_token_id=PAD))
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=PAD)
+    assert torch.equal(got, expected)
+
+
+def test_the_models_generation_config_is_read(tiny_qwen, model):
+    """A checkpoint's generation_config.json (here num_beams) counts as transformers counts it."""
+    ids, mask = left_padded_batch()
+    model.generation_config.num_beams = 2
+    with pytest.raises(ValueError, match=r"num_beams=2 needs mode='traditional'"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=PAD, mode="standard")
+    traditional = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM).eval()
+    traditional.generation_config.num_beams = tiny_qwen.generation_config.num_beams = 2
+    expected = tiny_qwen.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD)
+    got = traditional.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD, mode="traditional")
+    assert torch.equal(got, expected)
+    # Without a mode, beam search implies traditional mode, as sampling does: Qwen2's beams.
+    assert torch.equal(traditional.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD), expected)
+
+
+
+def test_sampling_implies_traditional_mode(tiny_qwen, model):
+    ids, mask = left_padded_batch()
+    named = gen(model, ids, mask, seed=3, mode="traditional", do_sample=True, top_p=0.9).sequences
+    assert torch.equal(gen(model, ids, mask, seed=3, do_sample=True, top_p=0.9).sequences, named)
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=True, top_p=0.9, max_new_tokens=8, pad_token_id=PAD)
+    got = model.generate(ids, attention_mask=mask, generation_config=config, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(got, named)
+    # Without a generator, sampling is Qwen2's on the same weights and the same global seed.
+    plain = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM).eval()
+    torch.manual_seed(7)
+    expected = tiny_qwen.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=20,
+                                  pad_token_id=PAD)
+    torch.manual_seed(7)
+    assert torch.equal(plain.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=20,
+                                      pad_token_id=PAD), expected)
+
+
+def test_a_checkpoint_that_samples_defaults_to_traditional_and_a_named_mode_wins(model):
+    ids, mask = left_padded_batch()
+    standard = gen(model, ids, mask, mode="standard").sequences
+    sampled = gen(model, ids, mask, seed=3, mode="traditional", do_sample=True).sequences
+    model.generation_config.do_sample = True
+    assert torch.equal(gen(model, ids, mask, seed=3).sequences, sampled)
+    assert torch.equal(gen(model, ids, mask, mode="standard").sequences, standard)
+
+
+@pytest.mark.parametrize("mode", ["standard", "causal"])
+def test_a_named_mode_that_does_not_sample_refuses_do_sample(model, mode):
+    ids, mask = left_padded_batch()
+    with pytest.raises(ValueError, match=rf"do_sample=True.*mode='traditional'.*mode='{mode}'"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=PAD, mode=mode, do_sample=True)
+
+
+def test_resolve_mode_without_torch():
+    from causal_qwen.generation_options import GenerationOptionError, check_generation_options, resolve_mode
+
+    assert resolve_mode(None, True) == "traditional" and resolve_mode(None, None) == "standard"
+    assert check_generation_options(None, False, True, None) == "standard"
+    assert check_generation_options(None, False, False, True) == "traditional"
+    with pytest.raises(GenerationOptionError, match="shared_noise"):
+        check_generation_options(None, False, True, True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Beam search (traditional mode)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options", [
+    dict(num_beams=3),
+    dict(num_beams=3, num_return_sequences=2, eos_token_id=5, length_penalty=0.5),
+    dict(num_beams=2, use_cache=False),
+], ids=["beams", "returned-eos-penalty", "no-cache"])
+def test_traditional_beam_search_equals_qwen2(tiny_qwen, options):
+    model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM).eval()
+    ids, mask = left_padded_batch()
+    expected = tiny_qwen.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=PAD, **options)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=PAD, mode="traditional", **options)
+    assert torch.equal(got, expected)
+
+
+def numbered_prompts():
+    ids, mask = left_padded_batch()
+    ids, mask = ids[:2], mask[:2]
+    ids[0, 4], ids[1, 6] = NUM, NUM
+    values = torch.zeros(ids.shape, dtype=torch.float64)
+    values[0, 4], values[1, 6] = 17.25, -3.5
+    return ids, mask, values
+
+
+def assert_values_are_the_predictions_of_their_own_prefix(model, out, ids, mask, values, per_prompt):
+    """Every generated <NUM>'s value is what the model predicts from that sequence's own ids and values before it."""
+    from causal_qwen.generation import shortest_float32
+
+    start = ids.shape[1]
+    for row, sequence in enumerate(out.sequences):
+        prompt = row // per_prompt
+        torch.testing.assert_close(out.numeric_values[row, :start], values[prompt])
+        generated = out.numeric_values[row, start:]
+        assert (generated[sequence[start:] != NUM] == 0).all()
+        for t in (sequence[start:] == NUM).nonzero().flatten().tolist():
+            t += start
+            row_mask = torch.cat([mask[prompt], torch.ones(t - start, dtype=mask.dtype)])[None]
+            with torch.no_grad():
+                full = model(sequence[None, :t], numeric_values=out.numeric_values[row:row + 1, :t],
+                             attention_mask=row_mask, position_ids=positions_from_mask(row_mask))
+            predicted = shortest_float32(model.to_value(full.loc_Y[:, -1].double()))
+            torch.testing.assert_close(out.numeric_values[row, t:t + 1], predicted, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_beam_search_numbers_travel_with_their_beams(model, use_cache):
+    with torch.no_grad():
+        model.action.cls_head.bias[NUM] = 1.0  # <NUM> likely but not certain: beams differ in their numbers
+        model.numeric_embedding.w_num.mul_(20.0)  # and the numbers read move the next decisions
+    ids, mask, values = numbered_prompts()
+    out = model.generate(ids, attention_mask=mask, numeric_values=values, max_new_tokens=8, pad_token_id=PAD,
+                         mode="traditional", num_beams=4, num_return_sequences=3, return_dict_in_generate=True,
+                         output_value_scores=True, use_cache=use_cache)
+    assert out.sequences.shape == out.numeric_values.shape == (6, 16) and out.loc_Y.shape == (6, 8)
+    start = ids.shape[1]
+    numbers = out.sequences[:, start:] == NUM
+    assert numbers.any() and not numbers.all()
+    assert len({tuple(row) for row in out.numeric_values[:, start:].tolist()}) == 6
+    assert_values_are_the_predictions_of_their_own_prefix(model, out, ids, mask, values, per_prompt=3)
+    torch.testing.assert_close(out.numeric_values[:, start:][numbers], model.to_value(out.loc_Y.double())[numbers],
+                               rtol=1e-6, atol=0.0)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(mode="causal", num_beams=2), r"num_beams=2 needs mode='traditional'"),
+    (dict(mode="standard", num_beams=3, num_return_sequences=2), r"num_beams=3 needs mode='traditional'"),
+    (dict(mode="traditional", num_beams=2, do_sample=True, generator=torch.Generator()), "generator"),
+    (dict(mode="standard", prompt_lookup_num_tokens=2), r"prompt_lookup_num_tokens.*mode='traditional'"),
+    (dict(mode="traditional", do_sample=True, prompt_lookup_num_tokens=2), "prompt_lookup_num_tokens.*do_sample"),
+    (dict(mode="traditional", num_beams=2, num_beam_groups=2, diversity_penalty=1.0), "group_beam_search"),
+    (dict(mode="traditional", prefill_chunk_size=4), "prefill_chunk_size"),
+])
+def test_decoding_strategies_a_mode_cannot_run(model, kwargs, match):
+    ids, mask = left_padded_batch()
+    with pytest.raises(ValueError, match=match):
+        model.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=2, pad_token_id=PAD, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Assisted and prompt-lookup decoding (traditional, greedy)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("assistant", ["qwen2", "causal_qwen", "prompt_lookup"])
+def test_assisted_decoding_equals_qwen2(tiny_qwen, assistant):
+    from conftest import tiny_qwen2_config
+
+    model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM).eval()
+    ids = left_padded_batch()[0][:1]
+    ids = torch.cat([ids, ids[:, 2:6]], 1)  # a repeated n-gram for prompt lookup to find
+    if assistant == "prompt_lookup":
+        options = dict(prompt_lookup_num_tokens=3)
+    elif assistant == "qwen2":
+        torch.manual_seed(1)
+        options = dict(assistant_model=Qwen2ForCausalLM(tiny_qwen2_config(num_hidden_layers=1)).eval())
+    else:
+        options = dict(assistant_model=CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM).eval())
+    expected = tiny_qwen.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=PAD)
+    got = model.generate(ids, max_new_tokens=12, mode="traditional", pad_token_id=PAD, **options)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("assistant", ["causal_qwen", "prompt_lookup"])
+def test_assisted_decoding_with_numbers_equals_greedy(model, assistant):
+    with torch.no_grad():
+        model.action.cls_head.bias[NUM] = 1.0
+        model.numeric_embedding.w_num.mul_(20.0)
+    ids, mask, values = numbered_prompts()
+    ids, values = ids[:1], values[:1]
+    ids = torch.cat([ids, ids[:, 2:6]], 1)  # "… <NUM> …" twice: prompt lookup proposes the <NUM>
+    values = torch.cat([values, values[:, 2:6]], 1)
+    options = dict(prompt_lookup_num_tokens=4) if assistant == "prompt_lookup" else dict(assistant_model=model)
+    expected = gen(model, ids, None, mode="traditional", numeric_values=values, max_new_tokens=10,
+                   output_value_scores=True)
+    got = gen(model, ids, None, mode="traditional", numeric_values=values, max_new_tokens=10,
+              output_value_scores=True, **options)
+    assert (expected.sequences[:, ids.shape[1]:] == NUM).any()
+    assert torch.equal(got.sequences, expected.sequences)
+    # Verifying several positions in one forward rounds differently from one at a time: a float32 ulp or so.
+    torch.testing.assert_close(got.numeric_values, expected.numeric_values, rtol=1e-5, atol=0.0)
+    torch.testing.assert_close(got.loc_Y, expected.loc_Y, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Random draws from the generator only; values beyond the float range
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_traditional_sampling_leaves_the_global_rng_alone(model):
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    seen = []
+
+    class SeeGlobalState(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            seen.append(torch.get_rng_state())
+            return scores
+
+    ids, mask = left_padded_batch()
+    before = torch.get_rng_state()
+    out = gen(model, ids, mask, seed=5, do_sample=True, top_k=20, output_scores=True,
+              logits_processor=LogitsProcessorList([SeeGlobalState()]))
+    assert torch.equal(torch.get_rng_state(), before)
+    assert seen and all(torch.equal(state, before) for state in seen)
+    # The scores returned are the processed scores the token was drawn from, not the sampler's mask.
+    assert len(out.scores) == 8 and torch.isfinite(out.scores[0]).sum(-1).min() > 1
+
+
+def test_threads_sampling_on_one_model_reproduce_sequential_runs(model):
+    import threading
+
+    ids, mask = left_padded_batch()
+    seeds = [1, 2, 3, 4]
+    sequential = {seed: gen(model, ids, mask, seed=seed, do_sample=True, max_new_tokens=24).sequences
+                  for seed in seeds}
+    barrier = threading.Barrier(len(seeds))
+    results, errors = {}, []
+
+    def work(seed):
+        try:
+            barrier.wait()
+            for _ in range(3):
+                results.setdefault(seed, []).append(
+                    gen(model, ids, mask, seed=seed, do_sample=True, max_new_tokens=24).sequences)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in seeds]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    for seed in seeds:
+        assert all(torch.equal(run, sequential[seed]) for run in results[seed])
+
+
+def forced_numbers(model, reg_bias):
+    with torch.no_grad():
+        model.action.threshold[NUM] = -1e4
+        model.action.cls_head.bias[NUM] = 1e3
+        model.action.reg_head.weight.zero_()
+        model.action.reg_head.bias.fill_(reg_bias)
+
+
+@pytest.mark.parametrize("mode", ["standard", "traditional"])
+def test_a_value_beyond_the_float_range_is_clamped_and_generation_goes_on(model, mode):
+    assert model.config.value_transform == "symlog"
+    forced_numbers(model, 1000.0)  # symexp(1000) overflows float64
+    ids, mask = left_padded_batch()
+    with pytest.warns(RuntimeWarning, match="beyond the float64 range"):
+        out = gen(model, ids, mask, mode=mode, max_new_tokens=4)
+    generated = out.numeric_values[:, ids.shape[1]:]
+    assert (out.sequences[:, ids.shape[1]:] == NUM).all()
+    assert torch.isfinite(generated).all() and (generated == torch.finfo(torch.float64).max).all()
+
+
+def test_a_nan_value_fails_naming_the_cause(model):
+    forced_numbers(model, math.nan)
+    ids, mask = left_padded_batch()
+    with pytest.raises(RuntimeError, match="regression head predicted NaN"):
+        gen(model, ids, mask, mode="standard", max_new_tokens=3)
+
+
+@pytest.mark.slow
+def test_real_qwen25_traditional_beam_search_and_prompt_lookup_equal_qwen2(qwen25_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen25_dir, padding_side="left")
+    qwen = Qwen2ForCausalLM.from_pretrained(qwen25_dir, dtype=torch.float32).eval()
+    # Qwen's own row for the <NUM> id: loc_S is Qwen's logits at every id, which beam search ranks well beyond the top.
+    model = CausalQwenForCausalLM.from_qwen(qwen, tokenizer=tokenizer, num_row_init="copy").eval()
+    batch = tokenizer(["def fibonacci(n):", "The capital of France is"], return_tensors="pt", padding=True)
+    expected = qwen.generate(**batch, max_new_tokens=8, num_beams=3, num_return_sequences=2)
+    assert torch.equal(model.generate(**batch, max_new_tokens=8, mode="traditional", num_beams=3,
+                                      num_return_sequences=2), expected)
+    one = tokenizer(["a b c d e f a b c d e f a b"], return_tensors="pt")
+    expected = qwen.generate(**one, max_new_tokens=8, do_sample=False)
+    assert torch.equal(model.generate(**one, max_new_tokens=8, mode="traditional", prompt_lookup_num_tokens=3),
+                       expected)

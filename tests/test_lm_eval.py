@@ -213,3 +213,12 @@ def test_real_qwen25(qwen25_dir, tmp_path):
     plain = HFLM(pretrained=str(tmp_path), device="cpu", dtype="float32", batch_size=4)
     with pytest.raises(ValueError, match="numeric_values"):
         loglikelihood(plain, NUMBERS[:1])
+
+
+def test_a_task_that_samples_runs_in_traditional_mode(ours):
+    """Without a named mode, a task's do_sample selects traditional mode, as in `generate`."""
+    requests = [Instance(request_type="generate_until", doc={},
+                         arguments=("She bought 12 apples for", {"until": ["\n"], "max_gen_toks": 4, "do_sample": True,
+                                                                   "temperature": 0.7}), idx=0)]
+    torch.manual_seed(0)
+    assert isinstance(ours.generate_until(requests, disable_tqdm=True)[0], str)

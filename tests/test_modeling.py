@@ -280,6 +280,26 @@ def test_value_interval_is_exact_under_symlog(tiny_qwen):
         model.value_interval(loc_y, scale_y, coverage=1.5)
 
 
+def test_a_value_off_num_raises_instead_of_moving_the_output(tiny_qwen):
+    # Values belong to <NUM> positions (0 elsewhere); one elsewhere means values and ids are misaligned.
+    model = build(tiny_qwen)
+    ids = torch.randint(0, 100, (2, 5))
+    ids[0, 2] = NUM
+    values = torch.zeros(2, 5, dtype=torch.float64)
+    values[0, 2] = 0.0  # the number 0 at a <NUM> is a value like any other
+    with torch.no_grad():
+        reference = model(ids, numeric_values=values)
+    values[0, 2] = 3.5
+    for position in ((0, 1), (1, 4)):
+        shifted = values.clone()
+        shifted[position] = 2.0
+        with pytest.raises(ValueError, match=rf"numeric_values holds a value at .*{list(position)}.* not <NUM>"):
+            model(ids, numeric_values=shifted)
+        with pytest.raises(ValueError, match="numeric_values"):
+            model.generate(ids, numeric_values=shifted, max_new_tokens=2)
+    assert torch.isfinite(reference.loc_S).all()
+
+
 def test_bad_inputs_raise_naming_the_argument(tiny_qwen):
     model = build(tiny_qwen)
     ids = torch.randint(0, 100, (2, 5))
@@ -351,7 +371,7 @@ def test_real_qwen25_init_matches_qwen(qwen25_dir):
     assert torch.isfinite(out.scale_S).all() and torch.isfinite(out.loc_Y).all()
 
 
-def test_abs_weight_cache_follows_weight_updates(tiny_qwen):
+def test_scale_s_follows_weight_updates(tiny_qwen):
     model = build(tiny_qwen)
     ids = torch.randint(0, 100, (1, 5))
     with torch.no_grad():
@@ -361,8 +381,36 @@ def test_abs_weight_cache_follows_weight_updates(tiny_qwen):
         expected = (first.scale_U + model.action.b_noise.abs()) @ model.action.cls_head.weight.abs().T
     torch.testing.assert_close(second.scale_S, expected.clamp(min=model.config.scale_min))
     torch.testing.assert_close(second.scale_S, 3.0 * first.scale_S)
-    model.action.clear_cache()
-    assert model.action._abs_weight_cache is None
+
+
+# EMA and weight averaging write through `.data`, which does not bump the parameter's version counter.
+DATA_WRITES = {
+    "mul_": lambda w, other: w.data.mul_(-3.0),
+    "copy_": lambda w, other: w.data.copy_(other),
+    "lerp_": lambda w, other: w.data.lerp_(other, 0.5),
+    "zero_": lambda w, other: w.data[:60].zero_(),
+}
+
+
+@pytest.mark.parametrize("write", sorted(DATA_WRITES))
+def test_generation_follows_writes_through_data(tiny_qwen, write):
+    model = build(tiny_qwen)
+    randomize_heads(model)
+    ids = torch.randint(0, 100, (2, 5))
+    weight = model.action.cls_head.weight
+    other = torch.randn(weight.shape, generator=torch.Generator().manual_seed(3)) * weight.abs().mean()
+    with torch.no_grad():
+        model(ids)
+        model.generate(ids, max_new_tokens=6, do_sample=False)
+        DATA_WRITES[write](weight, other)
+        out = model(ids)
+        got = model.generate(ids, max_new_tokens=6, do_sample=False)
+    expected = (out.scale_U + model.action.b_noise.abs()) @ weight.abs().T
+    torch.testing.assert_close(out.scale_S, expected.clamp(min=model.config.scale_min))
+    fresh = build(tiny_qwen)
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(got, fresh.generate(ids, max_new_tokens=6, do_sample=False))
 
 
 def test_text_only_training_step_skips_the_backbone_backward(tiny_qwen):
@@ -552,3 +600,186 @@ def test_conversion_seed_must_be_a_non_negative_int(tiny_qwen, seed):
 def test_conversion_seed_is_not_a_config_override(tiny_qwen):
     with pytest.raises(ValueError, match="seed="):
         build(tiny_qwen, conversion_seed=3)
+
+
+def numbered_batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 100, (2, 9), generator=g)
+    ids[0, 3], ids[1, 6], ids[0, 8] = NUM, NUM, NUM
+    values = torch.zeros(2, 9, dtype=torch.float64)
+    values[0, 3], values[1, 6], values[0, 8] = 2.5, -40.0, 7.0
+    labels = ids.clone()
+    labels[1, :2] = -100
+    return ids, values, labels
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_shift_labels_give_the_loss_of_the_unshifted_labels(tiny_qwen, training):
+    model = build(tiny_qwen, learnable_threshold=True, abduction_scale_init=0.3).train(training)
+    randomize_heads(model)
+    ids, values, labels = numbered_batch()
+    shift_labels = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    shift_values = torch.nn.functional.pad(values[:, 1:], (0, 1))
+    expected = model(ids, numeric_values=values, labels=labels)
+    assert expected.reg_loss.item() != 0.0
+    # As the Trainer passes them under context parallelism: labels and shift_labels; the values shifted by the model,
+    # or given shifted; or shift_labels alone.
+    for kwargs in (dict(labels=labels, shift_labels=shift_labels),
+                   dict(labels=labels, shift_labels=shift_labels, shift_numeric_labels=shift_values),
+                   dict(shift_labels=shift_labels, numeric_labels=values),
+                   dict(shift_labels=shift_labels, shift_numeric_labels=shift_values)):
+        got = model(ids, numeric_values=values, **kwargs)
+        for name in ("loss", "cls_loss", "reg_loss"):
+            torch.testing.assert_close(getattr(got, name), getattr(expected, name), msg=f"{name} {sorted(kwargs)}")
+    # shift_labels replace the shift of labels: other labels change nothing, other shift_labels change the loss.
+    other = torch.randint(0, 100, labels.shape)
+    torch.testing.assert_close(model(ids, numeric_values=values, labels=other, shift_labels=shift_labels).loss,
+                               expected.loss)
+    assert model(ids, numeric_values=values, labels=labels, shift_labels=other).loss.item() != pytest.approx(
+        expected.loss.item(), rel=1e-4)
+
+
+def test_shift_labels_are_keywords_not_labels_trainer_waits_for():
+    # Trainer takes every forward parameter named "*label*" for a label each batch must carry.
+    from transformers.utils import find_labels
+
+    assert find_labels(CausalQwenForCausalLM) == ["labels", "numeric_labels"]
+
+
+def test_shift_labels_of_a_shard_take_the_values_beyond_it(tiny_qwen):
+    """Context parallelism shifts the whole sequence, then gives each device a shard: the last target of a shard
+    is the first token of the next, and its value comes with `shift_numeric_labels`."""
+    model = build(tiny_qwen, abduction_scale_init=0.3).train()
+    randomize_heads(model)
+    ids, values, labels = numbered_batch()
+    shift_labels = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    shift_values = torch.nn.functional.pad(values[:, 1:], (0, 1))
+    # The first shard, positions 0-2: the target of its last position is the <NUM> at position 3, in the next shard.
+    shard = slice(0, 3)
+    assert shift_labels[0, 2] == NUM
+    with pytest.raises(ValueError, match="shift_numeric_labels"):
+        model(ids[:, shard], numeric_values=values[:, shard], labels=labels[:, shard],
+              shift_labels=shift_labels[:, shard])
+    got = model(ids[:, shard], numeric_values=values[:, shard], shift_labels=shift_labels[:, shard],
+                shift_numeric_labels=shift_values[:, shard], output_distributions=True)
+    assert (shift_labels[:, shard] == NUM).sum() == 1 and got.reg_loss.item() != 0.0
+    # The shard's loss is that of the full sequence restricted to the shard's targets.
+    masked = shift_labels.clone()
+    masked[:, 3:] = -100
+    restricted = model(ids, numeric_values=values, shift_labels=masked, shift_numeric_labels=shift_values,
+                       output_distributions=True)
+    for name in ("cls_loss", "reg_loss"):
+        torch.testing.assert_close(getattr(got, name), getattr(restricted, name), rtol=1e-5, atol=1e-6)
+
+
+def test_shift_labels_are_checked(tiny_qwen):
+    model = build(tiny_qwen)
+    ids, values, labels = numbered_batch()
+    shift_labels = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    with pytest.raises(ValueError, match="shift_labels must have shape"):
+        model(ids, numeric_values=values, shift_labels=shift_labels[:, :-1])
+    with pytest.raises(ValueError, match="shift_labels holds ids outside"):
+        model(ids, numeric_values=values, shift_labels=shift_labels + 1000)
+    with pytest.raises(ValueError, match="shift_labels contain <NUM>"):
+        model(ids.clamp(max=NUM - 1), shift_labels=shift_labels)
+    with pytest.raises(ValueError, match="pass shift_labels"):
+        model(ids, numeric_values=values, labels=labels, shift_numeric_labels=values)
+
+
+def test_auto_model_gives_the_qwen2_backbone(tmp_path, tiny_qwen):
+    from transformers import AutoModel, Qwen2Model
+
+    from causal_qwen import CausalQwenModel
+
+    model = build(tiny_qwen)
+    randomize_heads(model)
+    model.save_pretrained(tmp_path)
+    backbone = AutoModel.from_pretrained(tmp_path, dtype=torch.float32)
+    assert isinstance(backbone, CausalQwenModel) and isinstance(backbone, Qwen2Model)
+    assert isinstance(backbone.config, CausalQwenConfig)
+    assert AutoModel.from_config(model.config).__class__ is CausalQwenModel
+    assert set(backbone.state_dict()) == set(tiny_qwen.model.state_dict())
+    ids = torch.randint(0, 100, (2, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(backbone(ids).last_hidden_state, model.model(ids).last_hidden_state,
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(backbone(ids).last_hidden_state, tiny_qwen.model(ids).last_hidden_state,
+                                   rtol=0, atol=0)
+    # The backbone saves and reloads on its own, and the full model's folder names it for remote code.
+    backbone.save_pretrained(tmp_path / "backbone")
+    assert isinstance(AutoModel.from_pretrained(tmp_path / "backbone"), CausalQwenModel)
+    import json
+
+    auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoModel"] == "modeling.CausalQwenModel"
+    assert auto_map["AutoModelForCausalLM"] == "modeling.CausalQwenForCausalLM"
+
+
+@pytest.mark.parametrize("learnable", [False, True])
+def test_resizing_the_vocabulary_resizes_the_threshold(tiny_qwen, learnable):
+    model = build(tiny_qwen, learnable_threshold=learnable, ovr_threshold=2.0)
+    with torch.no_grad():
+        model.action.threshold[:5] = torch.arange(5.0)
+    before = model.action.threshold.detach().clone()
+    model.resize_token_embeddings(150)
+    assert model.config.vocab_size == 150 and model.action.cls_head.out_features == 150
+    assert isinstance(model.action.threshold, torch.nn.Parameter) == learnable
+    assert torch.equal(model.action.threshold[:128], before) and model.action.threshold[128:].eq(2.0).all()
+    ids = torch.randint(0, 150, (2, 6))
+    ids[ids == NUM] = 0
+    ids[0, 2] = 149
+    out = model(ids, labels=ids)
+    assert torch.isfinite(out.loss) and model.ovr_probabilities(out.loc_S, out.scale_S).shape == (2, 6, 150)
+    model.resize_token_embeddings(NUM + 1)
+    assert model.action.threshold.shape == (NUM + 1,)
+    with pytest.raises(ValueError, match="would drop <NUM>"):
+        model.resize_token_embeddings(NUM)
+    with pytest.raises(ValueError, match="would drop <NUM>"):
+        model.resize_token_embeddings(64, pad_to_multiple_of=64)
+    assert model.config.vocab_size == NUM + 1 and model.action.threshold.shape == (NUM + 1,)
+
+
+def numbered_inputs():
+    torch.manual_seed(3)
+    ids = torch.randint(1, 100, (2, 7))
+    ids[0, 3] = NUM
+    values = torch.zeros(ids.shape, dtype=torch.float64)
+    values[0, 3] = 2.5
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    return dict(input_ids=ids, numeric_values=values, attention_mask=mask, use_cache=False)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_forward_compiles_into_one_graph(tiny_qwen, backend):
+    """No data-dependent check breaks the graph: the value checks are skipped while tracing."""
+    import torch._dynamo
+
+    model = build(tiny_qwen)
+    randomize_heads(model)
+    inputs = numbered_inputs()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    with torch.no_grad():
+        got, expected = compiled(**inputs), model(**inputs)
+        # Without numbers the eager forward leaves the numeric embedding out; the graph adds its zero terms.
+        plain = {**inputs, "numeric_values": None, "input_ids": inputs["input_ids"].clamp(max=NUM - 1)}
+        got_plain, expected_plain = compiled(**plain), model(**plain)
+    for name in ("loc_S", "scale_S", "loc_Y", "scale_Y"):
+        torch.testing.assert_close(getattr(got, name), getattr(expected, name))
+        torch.testing.assert_close(getattr(got_plain, name), getattr(expected_plain, name))
+    torch._dynamo.reset()
+
+
+def test_forward_exports(tiny_qwen):
+    model = build(tiny_qwen)
+    randomize_heads(model)
+    inputs = numbered_inputs()
+    program = torch.export.export(model, args=(), kwargs=inputs)
+    with torch.no_grad():
+        got, expected = program.module()(**inputs), model(**inputs)
+    for name in ("loc_S", "scale_S", "loc_Y", "scale_Y"):
+        torch.testing.assert_close(got[name], expected[name])
+    # The eager model still checks values; only tracing skips them.
+    with pytest.raises(ValueError, match="numeric_values must be finite"):
+        model(**{**inputs, "numeric_values": torch.full(inputs["input_ids"].shape, math.inf, dtype=torch.float64)})

@@ -76,3 +76,23 @@ def test_collator_honours_a_completion_mask():
     assert batch["labels"].tolist() == [[-100, -100, 6, 7]]
     with pytest.raises(ValueError, match="completion_mask has length 3"):
         CausalQwenDataCollator(0)([{"input_ids": [4, 5, 6, 7], "completion_mask": [0, 1, 1]}])
+
+
+def test_tokenizer_and_collator_put_values_at_num_only(tokenizer):
+    # The model refuses a value off <NUM> (a sign of misaligned values); what the library builds never has one.
+    texts = ["It costs 3.5 dollars, 12 items, -7 degrees and 0 left.", "价格是99.9元", "no numbers here", "1e3 2,500"]
+    pairs = [{"prompt": "3 plus 4.25 is", "completion": " 7.25."}]
+    num = tokenizer.num_token_id
+    for side in ("right", "left"):
+        tokenizer.padding_side = side
+        encoded = tokenizer(texts, padding=True, truncation=True, max_length=9, return_tensors="pt")
+        features = tokenize_examples(tokenizer, texts + pairs, max_length=12)
+        batch = CausalQwenDataCollator.from_tokenizer(tokenizer, pad_to_multiple_of=8)(features)
+        for ids, values in ((encoded["input_ids"], encoded["numeric_values"]),
+                            (batch["input_ids"], batch["numeric_values"]),
+                            (batch["input_ids"], batch["numeric_labels"])):
+            assert (values != 0).any()
+            assert not ((values != 0) & (ids != num)).any()
+    tokenizer.padding_side = "right"
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "2.5 times 4?"}], return_dict=True)
+    assert all(v == 0 or i == num for i, v in zip(chat["input_ids"], chat["numeric_values"], strict=True))

@@ -12,8 +12,8 @@ such inputs (a ValueError naming `numeric_values`) rather than reading every num
   [4.5, 5.5], `3.14`: [3.135, 3.145], `2e3`: [1500, 2500]). This is the probability of writing that number at that
   precision, so it is at most 1 and comparable with text and between choices; the token is greedy when `<NUM>` is
   the argmax and the median value falls in the interval;
-- generated numbers are written with the values the model predicts (`generate(..., mode=...)`, `standard` by
-  default; `mode=traditional` samples from the softmax when a task asks for `do_sample`).
+- generated numbers are written with the values the model predicts (`generate(..., mode=...)`; by default
+  `traditional` for a task that asks for `do_sample`, `standard` otherwise).
 
 Texts without numbers score exactly as with HFLM on the same model. Usage (lm_eval is an optional extra,
 `pip install "causal_qwen[lm-eval]"`):
@@ -86,12 +86,13 @@ class CausalQwenLM(HFLM):
     Args:
         pretrained: a CausalQwen folder (or model), with its `CausalQwenTokenizer`; any other model behaves
             exactly as with HFLM.
-        mode: the generation mode of `generate_until` (`standard`, `causal` or `traditional`).
+        mode: the generation mode of `generate_until` (`standard`, `causal` or `traditional`); by default
+            `traditional` when a task samples, `standard` otherwise (`generate`'s rule).
         **kwargs: every argument of HFLM (`batch_size`, `device`, `dtype`, `max_length`, ...).
     """
 
-    def __init__(self, pretrained, mode: str = "standard", **kwargs):
-        if mode not in GENERATION_MODES:
+    def __init__(self, pretrained, mode: str | None = None, **kwargs):
+        if mode is not None and mode not in GENERATION_MODES:
             raise ValueError(f"mode must be one of {GENERATION_MODES}, got {mode!r}")
         kwargs.setdefault("backend", "causal")  # transformers' causal-LM table does not list causal_qwen
         super().__init__(pretrained, **kwargs)
