@@ -122,6 +122,7 @@ def causal_qwen_loss(
     num_items_in_batch: int | torch.Tensor | None = None,
     shift_labels: torch.Tensor | None = None,
     shift_numeric_labels: torch.Tensor | None = None,
+    num_numbers_in_batch: int | torch.Tensor | None = None,
 ) -> CausalLoss:
     """The total loss of docs/design.md §4 from unshifted head outputs and labels.
 
@@ -139,6 +140,9 @@ def causal_qwen_loss(
             the valid-position-weighted average of their regression means instead of multiplying it.
         shift_labels, shift_numeric_labels: targets (and their values) already shifted, which replace the shift of
             `labels` (context-parallel training); see `labels.next_token_targets`.
+        num_numbers_in_batch: when given (`CausalQwenTrainer` counts it), the count of `<NUM>` targets over all
+            micro-batches and devices. The regression sum is divided by it, so that the summed micro-batch losses
+            give the mean over all the step's numbers, however they are split; it replaces the share weighting.
 
     Returns:
         `CausalLoss` with `loss = cls_loss + reg_loss_weight · reg_loss`, fp32 scalars.
@@ -157,7 +161,7 @@ def causal_qwen_loss(
                                 scale_s[..., num_token_id][num_mask].float(), class_threshold(threshold, num_token_id))
     return combine_losses(cls_per_position.sum(), valid.sum(), nll_values, p_num, gate_alpha=gate_alpha,
                           reg_loss_weight=reg_loss_weight, detach_gate=detach_gate,
-                          num_items_in_batch=num_items_in_batch)
+                          num_items_in_batch=num_items_in_batch, num_numbers_in_batch=num_numbers_in_batch)
 
 
 def fused_causal_qwen_loss(
@@ -183,6 +187,7 @@ def fused_causal_qwen_loss(
     memory_budget: int | None = None,
     shift_labels: torch.Tensor | None = None,
     shift_numeric_labels: torch.Tensor | None = None,
+    num_numbers_in_batch: int | torch.Tensor | None = None,
 ) -> CausalLoss:
     """`causal_qwen_loss` of the head `loc_S = loc_U·Wᵀ + b`, `scale_S = max(scale_U'·|W|ᵀ, scale_min)`, fused.
 
@@ -194,7 +199,7 @@ def fused_causal_qwen_loss(
         weight, bias, threshold: W_cls `[V, C]`, b_cls `[V]` (or None), C (`[V]`, scalar or float).
         loc_y, scale_y: `[B, S]` regression distribution, or None for the text-only model.
         labels, numeric_labels, num_token_id, gate_alpha, reg_loss_weight, detach_gate, value_transform,
-            num_items_in_batch, shift_labels, shift_numeric_labels: as in `causal_qwen_loss`.
+            num_items_in_batch, shift_labels, shift_numeric_labels, num_numbers_in_batch: as in `causal_qwen_loss`.
         scale_min: the floor on scale_S.
         chunk_size, vocab_chunk_size, memory_budget: tiling, as in `chunked_ovr_loss`.
     """
@@ -215,7 +220,7 @@ def fused_causal_qwen_loss(
                                           num_token_id, scale_min=scale_min)
     return combine_losses(loss_sum, valid_count, nll_values, p_num, gate_alpha=gate_alpha,
                           reg_loss_weight=reg_loss_weight, detach_gate=detach_gate,
-                          num_items_in_batch=num_items_in_batch)
+                          num_items_in_batch=num_items_in_batch, num_numbers_in_batch=num_numbers_in_batch)
 
 
 def _value_terms(
@@ -243,24 +248,31 @@ def combine_losses(
     reg_loss_weight: float,
     detach_gate: bool,
     num_items_in_batch: int | torch.Tensor | None,
+    num_numbers_in_batch: int | torch.Tensor | None = None,
 ) -> CausalLoss:
     """The reductions of docs/design.md §4, shared by the straightforward and the fused path.
 
     Args:
         cls_sum: OvR loss summed over the valid positions (fp32 scalar); valid_count: their number.
         nll, p_num: `[n]` Cauchy NLL and `<NUM>` probability at the positions whose target is `<NUM>`, or None.
-        num_items_in_batch: see `causal_qwen_loss`.
+        num_items_in_batch, num_numbers_in_batch: see `causal_qwen_loss`.
     """
     cls_loss = safe_mean(cls_sum, num_items_in_batch if num_items_in_batch is not None else valid_count)
-    reg_loss = cls_loss.new_zeros(())
-    if nll is not None and nll.numel():
+    reg_loss = reg_in_total = cls_loss.new_zeros(())
+    if nll is not None:
         if detach_gate:
             p_num = p_num.detach()
         gate = gate_alpha + (1.0 - gate_alpha) * p_num
-        reg_loss = (gate * nll).sum() / nll.numel()
-    reg_in_total = reg_loss
-    if num_items_in_batch is not None:
-        reg_in_total = reg_loss * safe_mean(valid_count.to(reg_loss.dtype), num_items_in_batch)
+        # Summed even when no position is a number: the value head then stays in the graph with a zero gradient,
+        # so every data-parallel rank runs the same backward whatever its batch holds.
+        reg_sum = (gate * nll).sum()
+        reg_loss = reg_sum / max(nll.numel(), 1)
+        if num_numbers_in_batch is not None:
+            reg_in_total = safe_mean(reg_sum, num_numbers_in_batch)
+        elif num_items_in_batch is not None:
+            reg_in_total = reg_loss * safe_mean(valid_count.to(reg_loss.dtype), num_items_in_batch)
+        else:
+            reg_in_total = reg_loss
     return CausalLoss(loss=cls_loss + reg_loss_weight * reg_in_total, cls_loss=cls_loss, reg_loss=reg_loss)
 
 

@@ -237,6 +237,7 @@ class CausalQwenAction(nn.Module):
         *,
         output_distributions: bool = True,
         num_items_in_batch: int | torch.Tensor | None = None,
+        num_numbers_in_batch: int | torch.Tensor | None = None,
         loss_options: LossOptions | None = None,
         chunk_size: int | None = None,
         vocab_chunk_size: int | None = None,
@@ -250,7 +251,7 @@ class CausalQwenAction(nn.Module):
             labels, numeric_labels: `[B, S]`, unshifted, as in [`CausalQwenForCausalLM.forward`].
             output_distributions: build `loc_S`, `scale_S` `[B, S, V]`. Off, the classification loss runs fused and
                 tiled (`loss.fused_causal_qwen_loss`): the same loss and gradients without any `[B, S, V]` tensor.
-            num_items_in_batch: see `loss.causal_qwen_loss`.
+            num_items_in_batch, num_numbers_in_batch: see `loss.causal_qwen_loss`.
             loss_options: the loss's options; by default `LossOptions.from_config(self.config)`.
             chunk_size, vocab_chunk_size, memory_budget: tiling of the fused loss (`chunked_loss.chunked_ovr_loss`).
             shift_labels, shift_numeric_labels: targets already shifted, as in [`CausalQwenForCausalLM.forward`];
@@ -266,7 +267,8 @@ class CausalQwenAction(nn.Module):
         losses = None
         if labels is not None or shift_labels is not None:
             options = asdict(loss_options or LossOptions.from_config(self.config))
-            options.update(shift_labels=shift_labels, shift_numeric_labels=shift_numeric_labels)
+            options.update(shift_labels=shift_labels, shift_numeric_labels=shift_numeric_labels,
+                           num_numbers_in_batch=num_numbers_in_batch)
             if output_distributions:
                 losses = causal_qwen_loss(loc_s, scale_s, loc_y, scale_y, labels, numeric_labels,
                                           threshold=self.threshold, num_items_in_batch=num_items_in_batch, **options)
@@ -531,11 +533,15 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
                 The values of `shift_labels`, already shifted. By default `numeric_labels` (or `numeric_values`) is
                 shifted like the labels, which cannot give the value of the last position's target: a `<NUM>` target
                 there needs `shift_numeric_labels`.
+            num_items_in_batch, num_numbers_in_batch (*optional*, keywords in `kwargs`): the counts of labelled
+                positions and of `<NUM>` targets over the optimizer step's micro-batches and devices, which
+                `Trainer` (the first) and `CausalQwenTrainer` (both) pass; see `loss.causal_qwen_loss`.
 
         Returns:
             [`CausalQwenOutput`].
         """
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        num_numbers_in_batch = kwargs.pop("num_numbers_in_batch", None)
         # Keywords, not parameters: Trainer takes every forward parameter named "*label*" for a label it must be given
         # (`label_names`), and these come only with context parallelism.
         shift_labels = kwargs.pop("shift_labels", None)
@@ -577,6 +583,7 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
             heads = self.action(
                 loc_u, scale_u, labels, numeric_labels if numeric_labels is not None else numeric_values,
                 output_distributions=output_distributions, num_items_in_batch=num_items_in_batch,
+                num_numbers_in_batch=num_numbers_in_batch,
                 shift_labels=shift_labels, shift_numeric_labels=shift_numeric_labels,
             )
             logits = heads.loc_S

@@ -26,6 +26,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 
 from .checks import check_positive_finite
+from .labels import next_token_targets
 from .pairing import check_tokenizer_matches
 from .value_head import fit_value_head
 
@@ -245,8 +246,40 @@ class CausalQwenTrainer(Trainer):
         # The optimizer exists now: Trainer only wraps it where it has to (SageMaker model parallelism).
         return super().create_optimizer(model)
 
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """Trainer's, which counts the step's labelled positions, plus the count of its `<NUM>` targets.
+
+        With both counts the regression term is the mean over every number of the optimizer step, whatever the
+        micro-batches and devices hold: under data parallelism a rank whose batch has no number then weighs as it
+        does in one process (docs/training.md, gradient accumulation).
+        """
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._num_numbers_in_batch = None
+        if num_items_in_batch is not None:
+            self._num_numbers_in_batch = self._count_numbers(batch_samples, num_items_in_batch)
+        return batch_samples, num_items_in_batch
+
+    def _count_numbers(self, batch_samples: list, num_items_in_batch) -> torch.Tensor | None:
+        num_token_id = getattr(self.accelerator.unwrap_model(self.model).config, "num_token_id", None)
+        if num_token_id is None or not isinstance(num_items_in_batch, torch.Tensor):
+            return None
+        count = sum((next_token_targets(batch["labels"], shift_labels=batch.get("shift_labels"))[0]
+                     == num_token_id).sum() for batch in batch_samples if "labels" in batch)
+        count = torch.as_tensor(count, device=num_items_in_batch.device)
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            count = self.accelerator.gather(count).sum()
+        # Trainer divides its count by the devices that share one batch (tensor, context, sequence parallelism).
+        return count / (self.get_tp_size() * self.get_cp_size() * self.get_sp_size())
+
+    def _loss_inputs(self, inputs: dict, num_items_in_batch) -> dict:
+        count = getattr(self, "_num_numbers_in_batch", None)
+        if num_items_in_batch is None or count is None or not self.model_accepts_loss_kwargs:
+            return inputs
+        return {**inputs, "num_numbers_in_batch": count}
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        loss, outputs = super().compute_loss(model, self._loss_inputs(inputs, num_items_in_batch), return_outputs=True,
+                                             num_items_in_batch=num_items_in_batch)
         self._record_loss_parts(model, outputs)
         return (loss, outputs) if return_outputs else loss
 

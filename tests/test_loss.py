@@ -105,6 +105,41 @@ def test_num_items_in_batch_replaces_the_valid_count():
     assert scaled.loss.item() == pytest.approx(base.cls_loss.item() / 4 + base.reg_loss.item() / 4, rel=1e-6)
 
 
+@pytest.mark.parametrize("lam", [1.0, 2.5])
+def test_micro_batch_losses_with_both_counts_sum_to_the_whole_batch_loss(lam):
+    # Row 1 holds no <NUM> target, as a data-parallel rank whose batch has no number. Summed over the two rows, as
+    # Trainer sums micro-batches (and DDP their gradients), the losses give the float64 reference on both rows.
+    loc_s, scale_s, loc_y, scale_y, labels, values = (t.double() if t.is_floating_point() else t
+                                                      for t in make_inputs())
+    labels[1] = torch.tensor([-100, -100, 4, 1, 2, 3])
+    leaves = [t.detach().requires_grad_() for t in (loc_s, scale_s, loc_y, scale_y)]
+    want, _, _ = reference_loss(*leaves, labels, values, 10.0, 0.0, lam, True, "identity")
+    want_grads = torch.autograd.grad(want, leaves)
+    n_valid = torch.tensor(int((labels[:, 1:] != -100).sum()))
+    n_numbers = torch.tensor(int((labels[:, 1:] == NUM).sum()))
+    got = sum(
+        causal_qwen_loss(*(t[b:b + 1] for t in leaves), labels[b:b + 1], values[b:b + 1], threshold=10.0,
+                         num_token_id=NUM, reg_loss_weight=lam, num_items_in_batch=n_valid,
+                         num_numbers_in_batch=n_numbers).loss
+        for b in (0, 1)
+    )
+    # The loss is accumulated in fp32 (docs/design.md §4), hence fp32 tolerances.
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    for g, w in zip(torch.autograd.grad(got, leaves), want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+
+
+def test_value_head_stays_in_the_graph_without_a_number_target():
+    # Sharding engines reduce gradients in the order they become ready; the same graph on every rank keeps that
+    # order, so a batch without <NUM> targets gives loc_Y a zero gradient rather than none.
+    loc_s, scale_s, loc_y, scale_y, _, values = make_inputs()
+    loc_y.requires_grad_()
+    no_num = torch.tensor([[-100, 3, 4, 5, 1, -100], [0, 1, 2, 3, 4, 5]])
+    out = causal_qwen_loss(loc_s, scale_s, loc_y, scale_y, no_num, values, threshold=10.0, num_token_id=NUM)
+    (grad,) = torch.autograd.grad(out.loss, loc_y, allow_unused=True)
+    assert grad is not None and torch.equal(grad, torch.zeros_like(loc_y))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_finite_for_extreme_values_and_scores(dtype):
     loc_s, scale_s, loc_y, scale_y, labels, values = make_inputs(dtype=dtype)

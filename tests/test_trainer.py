@@ -236,3 +236,26 @@ def test_parameter_groups_matches_whole_components_and_the_longest_prefix(model)
     assert rate[id(params["action.cls_head.bias"])] == 3.0  # the longest matching key wins
     assert rate[id(params["abduction.loc_net.weight"])] == 5.0  # a key may match anywhere in the name
     assert rate[id(params["abduction.scale_net.weight"])] == 1.0
+
+
+def test_gradient_accumulation_over_micro_batches_without_numbers_equals_one_batch(tmp_path):
+    # Every other micro-batch has no number. CausalQwenTrainer counts the step's <NUM> targets, so two accumulated
+    # micro-batches of 2 train as one batch of 4 (plain Trainer's share weighting would halve the value term).
+    from sharded_worker import build_model
+    from sharded_worker import dataset as uneven_dataset
+
+    params = []
+    for batch, accumulation in ((4, 1), (2, 2)):
+        model = build_model()
+        args = TrainingArguments(output_dir=str(tmp_path / f"b{batch}"), per_device_train_batch_size=batch,
+                                 gradient_accumulation_steps=accumulation, max_steps=3, learning_rate=1e-2,
+                                 train_sampling_strategy="sequential", report_to=[], use_cpu=True,
+                                 save_strategy="no", disable_tqdm=True)
+        trainer = CausalQwenTrainer(model=model, args=args, train_dataset=uneven_dataset(uneven=True),
+                                    data_collator=CausalQwenDataCollator(0), value_head_start=False)
+        trainer.train()
+        params.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+    one, accumulated = params
+    assert "action.reg_head.weight" in one
+    for name in one:
+        torch.testing.assert_close(accumulated[name], one[name], rtol=1e-5, atol=1e-6, msg=name)

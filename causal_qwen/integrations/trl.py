@@ -71,8 +71,8 @@ class CausalQwenSFTTrainer(CausalQwenTrainer, SFTTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The model's own loss, as `Trainer` computes it (SFTTrainer's would call TRL's fused softmax head)."""
-        loss, outputs = Trainer.compute_loss(self, model, inputs, return_outputs=True,
-                                             num_items_in_batch=num_items_in_batch)
+        loss, outputs = Trainer.compute_loss(self, model, self._loss_inputs(inputs, num_items_in_batch),
+                                             return_outputs=True, num_items_in_batch=num_items_in_batch)
         self._record_loss_parts(model, outputs)
         return (loss, outputs) if return_outputs else loss
 
