@@ -442,8 +442,9 @@ class CausalQwenGenerationMixin(GenerationMixin):
                 `"traditional"`: softmax over `loc_S` with the usual `do_sample`, `temperature`, `top_k`,
                 `top_p`, beam search and assisted decoding; greedy when `do_sample=False`, exactly as Qwen2.
                 By default `"traditional"` when the call samples (`do_sample=True` in the keyword arguments, the
-                `generation_config` or the model's `generation_config`), runs beam search (`num_beams > 1`) or
-                assisted or prompt-lookup decoding, else `"standard"`.
+                `generation_config` or the model's `generation_config`) or runs beam search (`num_beams > 1`), else
+                `"standard"`. Assisted and prompt-lookup decoding run in any mode but `causal` without
+                `shared_individual`, and give the mode's own output.
             shared_individual (`bool`): `causal` mode only.
             shared_noise (`bool`): `standard` mode only; one ε_noise ~ Cauchy(0, 1) per sequence shifts U.
             generator (`torch.Generator`, *optional*): drives every random draw (ε is drawn as
