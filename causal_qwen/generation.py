@@ -102,13 +102,36 @@ class CausalGenerationState:
         self.has_values = False  # the model has a regression head
         self.synced_length = 0  # length of the ids of the last sync (the last forward's input)
         self.pending_start: int | None = None  # first position the last forward predicted
-        self.pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # value, loc_Y, scale_Y [R, k]
+        self._decided_rows: int | None = None  # how many positions the last forward decided
+        self._pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # value, loc_Y, scale_Y [R, k]
+        self._predicted: tuple[torch.Tensor, torch.Tensor] | None = None  # loc_Y, scale_Y as the forward gave them
         self.shared_draw: torch.Tensor | None = None  # [R, C]: ε (shared individual) or ε_noise (shared noise)
         self.beams: _BeamHistory | None = None
         self.overflow_warned = False
 
+    @property
+    def pending(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """`(value, loc_Y, scale_Y)` `[R, k]` of the positions the last forward decided.
+
+        The values are made from the forward's `loc_Y` here, when the loop reads them, and not in the forward: their
+        rounding (`shortest_float32`) runs in Python, which a compiled forward cannot hold.
+        """
+        if self._pending is None and self._predicted is not None:
+            loc_y, scale_y = self._predicted
+            values = self.to_value(loc_y.double()).nan_to_num(nan=math.nan, posinf=_MAX_VALUE, neginf=-_MAX_VALUE)
+            values = shortest_float32(values.reshape(-1)).reshape(values.shape)
+            self._pending, self._predicted = (values, loc_y.float(), scale_y.float()), None
+        return self._pending
+
+    @pending.setter
+    def pending(self, value: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+        self._pending, self._predicted = value, None
+
     def sync(self, input_ids: torch.Tensor, prompt_values: torch.Tensor | None) -> torch.Tensor:
         """Return `numeric_values` `[R, L]` aligned with `input_ids` `[R, L]`, taking the new ids' values."""
+        if self._decided_rows is not None:
+            # The last forward read the ids of the last sync and decided its last `_decided_rows` positions.
+            self.pending_start, self._decided_rows = self.synced_length - self._decided_rows + 1, None
         if self.numeric_values is None:
             self._start(input_ids, prompt_values)
         elif self.beams is not None:
@@ -202,8 +225,9 @@ class CausalGenerationState:
         Args:
             action: the model's `CausalQwenAction`.
             loc_u, scale_u: `[R, n, C]`, the positions kept by `logits_to_keep` (1 in a plain step, the candidates
-                and one more when assisted decoding verifies candidates). `traditional` mode decides them all; the
-                other modes, whose decisions may draw at each step, the last one only.
+                and one more when assisted decoding verifies candidates). Each mode decides them all, except
+                `causal` mode with a fresh individual per step, which decides the last one only (its draw belongs
+                to one step).
 
         Returns:
             `logits` `[R, k, V]`, the scores the generation loop ranks (`loc_S` in `traditional` mode, else the
@@ -212,7 +236,7 @@ class CausalGenerationState:
             regression head).
         """
         traditional = self.mode == "traditional"
-        if not traditional:
+        if self.draws_each_step:
             loc_u, scale_u = loc_u[:, -1:], scale_u[:, -1:]
         if self.mode == "causal":
             loc_in, scale_in = action.head_inputs(loc_u, scale_u, individual=self._draw(loc_u).unsqueeze(1))
@@ -223,16 +247,20 @@ class CausalGenerationState:
         # The softmax needs loc_S only: skip the pass over |W_cls| that scale_S would cost.
         loc_s, scale_s = action.classify(loc_in, None if traditional else scale_in)
         loc_y = scale_y = None
-        rows = loc_u.shape[1]
-        self.pending_start = self.synced_length - rows + 1
+        # Where these predictions start is worked out at the next sync: the ids' length changes at every step, and
+        # a compiled forward that read it would be compiled again for each length.
+        self._decided_rows = loc_u.shape[1]
         if action.reg_head is not None:
             self.has_values = True
             loc_y, scale_y = action.regress(loc_in, scale_in)
-            values = self.to_value(loc_y.double()).nan_to_num(nan=math.nan, posinf=_MAX_VALUE, neginf=-_MAX_VALUE)
-            values = shortest_float32(values.reshape(-1)).reshape(values.shape)
-            self.pending = (values, loc_y.float(), scale_y.float())
+            self._pending, self._predicted = None, (loc_y, scale_y)
         logits = loc_s if traditional else action.margin(loc_s, scale_s)
         return logits, {"loc_S": loc_s, "scale_S": scale_s, "loc_Y": loc_y, "scale_Y": scale_y}
+
+    @property
+    def draws_each_step(self) -> bool:
+        """Whether a decision draws anew at every step (`causal` mode without a shared individual)."""
+        return self.mode == "causal" and not self.shared_individual
 
     def _draw(self, like: torch.Tensor) -> torch.Tensor:
         """ε ~ U(0, 1)^[R, C]: fresh each step, or drawn once and reused when the mode shares it."""
@@ -361,7 +389,7 @@ class GeneratorSampling(LogitsProcessor):
         return chosen.scatter_(1, tokens, 0.0)
 
 
-_SOFTMAX_DECODINGS = (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE, GenerationMode.ASSISTED_GENERATION)
+_SOFTMAX_DECODINGS = (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
 """Decoding strategies that only `traditional` mode can run, implied by them when no mode is named."""
 
 
@@ -382,7 +410,9 @@ class CausalQwenGenerationMixin(GenerationMixin):
             numeric_values = generation_state.sync(input_ids, numeric_values)
         fed = model_inputs.get("input_ids")
         if numeric_values is not None and fed is not None:
-            model_inputs["numeric_values"] = numeric_values[:, -fed.shape[1]:]
+            # Standard strides, as transformers gives the ids: a compiled forward is specialised on them.
+            model_inputs["numeric_values"] = numeric_values[:, -fed.shape[1]:].clone(
+                memory_format=torch.contiguous_format)
         return model_inputs
 
     @torch.no_grad()
@@ -412,8 +442,9 @@ class CausalQwenGenerationMixin(GenerationMixin):
                 `"traditional"`: softmax over `loc_S` with the usual `do_sample`, `temperature`, `top_k`,
                 `top_p`, beam search and assisted decoding; greedy when `do_sample=False`, exactly as Qwen2.
                 By default `"traditional"` when the call samples (`do_sample=True` in the keyword arguments, the
-                `generation_config` or the model's `generation_config`), runs beam search (`num_beams > 1`) or
-                assisted or prompt-lookup decoding, else `"standard"`.
+                `generation_config` or the model's `generation_config`) or runs beam search (`num_beams > 1`), else
+                `"standard"`. Assisted and prompt-lookup decoding run in any mode but `causal` without
+                `shared_individual`, and give the mode's own output.
             shared_individual (`bool`): `causal` mode only.
             shared_noise (`bool`): `standard` mode only; one ε_noise ~ Cauchy(0, 1) per sequence shifts U.
             generator (`torch.Generator`, *optional*): drives every random draw (ε is drawn as
@@ -436,12 +467,13 @@ class CausalQwenGenerationMixin(GenerationMixin):
         assistant_model = kwargs.get("assistant_model")
         decoding = GenerationConfig.get_generation_mode(resolved, assistant_model)
         if mode is None and decoding in _SOFTMAX_DECODINGS:
-            # Beam search and assisted decoding rank log-probabilities of the softmax over loc_S, which is what
-            # `traditional` mode gives: asked for without a mode, they imply it, as sampling does.
+            # Beam search ranks log-probabilities of the softmax over loc_S, which is what `traditional` mode gives:
+            # asked for without a mode, it implies it, as sampling does.
             mode = "traditional"
         mode = check_generation_options(mode if mode is not None else resolve_mode(None, sampling),
                                         shared_individual, shared_noise, asked)
-        _check_decoding(decoding, mode, sampling, num_beams, generator, assistant_model, resolved.prefill_chunk_size)
+        _check_decoding(decoding, mode, sampling, num_beams, generator, assistant_model, resolved.prefill_chunk_size,
+                        shared_individual)
         if mode != "traditional":
             sampling = False
             copies = resolved.num_return_sequences or 1
@@ -522,7 +554,9 @@ class CausalQwenGenerationMixin(GenerationMixin):
         numeric_assistant = isinstance(assistant_model, CausalQwenGenerationMixin) and bool(
             getattr(assistant_model.config, "use_numeric", False))
         if isinstance(assistant_model, CausalQwenGenerationMixin):
-            shared["mode"] = "traditional"
+            # The assistant proposes by the rule that verifies: the softmax, or the OvR probabilities (without this
+            # model's draws, which it does not share).
+            shared["mode"] = "traditional" if state.mode == "traditional" else "standard"
         candidates = super()._get_candidate_generator(
             generation_config, input_ids, inputs_tensor, logits_processor, shared, assistant_model,
             target_tokenizer, assistant_tokenizer,
@@ -581,7 +615,7 @@ def _resolve_options(model, generation_config, kwargs: dict) -> SimpleNamespace:
 
 
 def _check_decoding(decoding, mode: str, sampling: bool, num_beams: int, generator, assistant_model,
-                    prefill_chunk_size: int | None) -> None:
+                    prefill_chunk_size: int | None, shared_individual: bool = False) -> None:
     """Refuse, naming the argument, the decoding strategies that the mode cannot run with its numbers."""
     if decoding not in _SUPPORTED_DECODING:
         raise ValueError(
@@ -595,13 +629,17 @@ def _check_decoding(decoding, mode: str, sampling: bool, num_beams: int, generat
         )
     if decoding == GenerationMode.ASSISTED_GENERATION:
         argument = "assistant_model" if assistant_model is not None else "prompt_lookup_num_tokens"
-        if mode != "traditional":
+        if mode == "causal" and not shared_individual:
             raise ValueError(
-                f"{argument} (assisted decoding) needs mode='traditional', got {mode!r}: the candidates are verified "
-                "against the softmax's greedy choice"
+                f"{argument} (assisted decoding) verifies several positions in one forward, and mode='causal' draws "
+                "a fresh individual at every step: pass shared_individual=True (one individual per sequence), or "
+                "use mode='standard' or 'traditional'"
             )
-        if sampling:
-            raise ValueError(f"{argument} (assisted decoding) runs greedily here (do_sample=False); got do_sample=True")
+        if sampling and generator is not None:
+            raise ValueError(
+                f"generator cannot drive sampled assisted decoding ({argument}, do_sample=True): transformers draws "
+                "its tokens from torch's global RNG; seed it with torch.manual_seed instead"
+            )
     if num_beams > 1:
         if mode != "traditional":
             raise ValueError(

@@ -355,8 +355,9 @@ def test_beam_search_numbers_travel_with_their_beams(model, use_cache):
     (dict(mode="causal", num_beams=2), r"num_beams=2 needs mode='traditional'"),
     (dict(mode="standard", num_beams=3, num_return_sequences=2), r"num_beams=3 needs mode='traditional'"),
     (dict(mode="traditional", num_beams=2, do_sample=True, generator=torch.Generator()), "generator"),
-    (dict(mode="standard", prompt_lookup_num_tokens=2), r"prompt_lookup_num_tokens.*mode='traditional'"),
-    (dict(mode="traditional", do_sample=True, prompt_lookup_num_tokens=2), "prompt_lookup_num_tokens.*do_sample"),
+    (dict(mode="causal", prompt_lookup_num_tokens=2), r"prompt_lookup_num_tokens.*shared_individual=True"),
+    (dict(mode="traditional", do_sample=True, prompt_lookup_num_tokens=2, generator=torch.Generator()),
+     r"generator cannot drive sampled assisted decoding \(prompt_lookup_num_tokens"),
     (dict(mode="traditional", num_beams=2, num_beam_groups=2, diversity_penalty=1.0), "group_beam_search"),
     (dict(mode="traditional", prefill_chunk_size=4), "prefill_chunk_size"),
 ])
@@ -390,8 +391,14 @@ def test_assisted_decoding_equals_qwen2(tiny_qwen, assistant):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("mode", [
+    dict(mode="traditional"), dict(mode="standard"), dict(mode="standard", shared_noise=True),
+    dict(mode="causal", shared_individual=True),
+], ids=["traditional", "standard", "standard-shared-noise", "causal-shared-individual"])
 @pytest.mark.parametrize("assistant", ["causal_qwen", "prompt_lookup"])
-def test_assisted_decoding_with_numbers_equals_greedy(model, assistant):
+def test_assisted_decoding_with_numbers_equals_greedy(model, assistant, mode):
+    # Every mode whose decision draws nothing new at a step verifies the candidates by its own rule, and so gives
+    # its own plain generation (the generator's one draw per sequence is the same in both calls).
     with torch.no_grad():
         model.action.cls_head.bias[NUM] = 1.0
         model.numeric_embedding.w_num.mul_(20.0)
@@ -400,15 +407,70 @@ def test_assisted_decoding_with_numbers_equals_greedy(model, assistant):
     ids = torch.cat([ids, ids[:, 2:6]], 1)  # "… <NUM> …" twice: prompt lookup proposes the <NUM>
     values = torch.cat([values, values[:, 2:6]], 1)
     options = dict(prompt_lookup_num_tokens=4) if assistant == "prompt_lookup" else dict(assistant_model=model)
-    expected = gen(model, ids, None, mode="traditional", numeric_values=values, max_new_tokens=10,
-                   output_value_scores=True)
-    got = gen(model, ids, None, mode="traditional", numeric_values=values, max_new_tokens=10,
-              output_value_scores=True, **options)
+    expected = gen(model, ids, None, numeric_values=values, max_new_tokens=10, output_value_scores=True, **mode)
+    got = gen(model, ids, None, numeric_values=values, max_new_tokens=10, output_value_scores=True, **mode,
+              **options)
     assert (expected.sequences[:, ids.shape[1]:] == NUM).any()
     assert torch.equal(got.sequences, expected.sequences)
     # Verifying several positions in one forward rounds differently from one at a time: a float32 ulp or so.
     torch.testing.assert_close(got.numeric_values, expected.numeric_values, rtol=1e-5, atol=0.0)
     torch.testing.assert_close(got.loc_Y, expected.loc_Y, rtol=1e-4, atol=1e-5)
+
+
+def test_assisted_decoding_without_a_mode_is_the_default_greedy_mode(model):
+    # Standard mode's scores are the OvR margins, traditional mode's loc_S: the logits say which mode ran.
+    ids = left_padded_batch()[0][:1]
+    options = dict(max_new_tokens=6, pad_token_id=PAD, return_dict_in_generate=True, output_logits=True)
+    standard = model.generate(ids, **options)
+    traditional = model.generate(ids, mode="traditional", **options)
+    got = model.generate(ids, assistant_model=model, **options)
+    assert torch.equal(got.sequences, standard.sequences)
+    torch.testing.assert_close(torch.cat(got.logits), torch.cat(standard.logits), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(torch.cat(standard.logits), torch.cat(traditional.logits), atol=1e-2)
+
+
+@pytest.mark.parametrize("assistant", ["causal_qwen", "prompt_lookup"])
+def test_sampled_assisted_decoding_writes_each_number_from_its_own_prefix(model, assistant):
+    # Speculative sampling (an assistant with logits) or sampling at each verified position (prompt lookup), in
+    # traditional mode, which sampling implies; the numbers follow the accepted ids.
+    with torch.no_grad():
+        model.action.cls_head.bias[NUM] = 3.0  # sampled often enough to be drawn in 12 tokens
+        model.numeric_embedding.w_num.mul_(20.0)
+    ids, mask, values = numbered_prompts()
+    ids, mask, values = ids[:1], mask[:1], values[:1]
+    ids, mask = torch.cat([ids, ids[:, 2:6]], 1), torch.cat([mask, mask[:, 2:6]], 1)
+    values = torch.cat([values, values[:, 2:6]], 1)
+    options = dict(prompt_lookup_num_tokens=4) if assistant == "prompt_lookup" else dict(assistant_model=model)
+    torch.manual_seed(3)
+    out = model.generate(ids, attention_mask=mask, numeric_values=values, max_new_tokens=12, do_sample=True,
+                         pad_token_id=PAD, return_dict_in_generate=True, **options)
+    assert out.sequences.shape[1] > ids.shape[1] and (out.sequences[:, ids.shape[1]:] == NUM).any()
+    assert_values_are_the_predictions_of_their_own_prefix(model, out, ids, mask, values, per_prompt=1)
+
+
+def test_compiled_forward_with_a_static_cache_generates_as_eager(model):
+    # transformers compiles the decoding forward for a static cache (on a GPU by default; forced here on the CPU);
+    # fullgraph=True fails on any graph break. (transformers' generic test checks there is no recompilation.)
+    mode = "standard"
+    from transformers import CompileConfig
+
+    with torch.no_grad():
+        model.action.cls_head.bias[NUM] = 1.0
+        model.numeric_embedding.w_num.mul_(20.0)
+    ids, mask, values = numbered_prompts()
+    expected = gen(model, ids, mask, mode=mode, numeric_values=values, max_new_tokens=8, output_value_scores=True)
+    compile_config = CompileConfig(fullgraph=True, dynamic=False)
+    compile_config._compile_all_devices = True
+    torch.compiler.reset()
+    got = gen(model, ids, mask, mode=mode, numeric_values=values, max_new_tokens=8, output_value_scores=True,
+              cache_implementation="static", compile_config=compile_config)
+    again = gen(model, ids, mask, mode=mode, numeric_values=values, max_new_tokens=8, output_value_scores=True,
+                cache_implementation="static", compile_config=compile_config)
+    assert (expected.sequences[:, ids.shape[1]:] == NUM).any()
+    for out in (got, again):
+        assert torch.equal(out.sequences, expected.sequences)
+        torch.testing.assert_close(out.numeric_values, expected.numeric_values, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out.loc_Y, expected.loc_Y, rtol=1e-4, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -8,15 +8,14 @@ Both classes below run the same checks on the same tiny configuration (transform
 `TestQwen2Generic` on `Qwen2Model` and `Qwen2ForCausalLM`, `TestCausalQwenGeneric` on `CausalQwenModel` (the
 `Qwen2Model` that `AutoModel` gives for a CausalQwen config) and `CausalQwenForCausalLM`. Qwen2's task heads (question
 answering, sequence and token classification), which CausalQwen has no counterpart of, are left out of both. A check
-that passes for Qwen2 and fails for CausalQwen is a bug of CausalQwen, unless it is listed in `GENERATION_XFAILS`
-(generation, reworked separately: expected failures until then). No check is excluded. `TestCausalQwenGeneric`
-adapts two hooks of the mixins so that their inputs and targets never hold `<NUM>` without values (CausalQwen's forward
-rejects that), and asks for one check that transformers runs only for its newer models; each says why where it is set.
+that passes for Qwen2 and fails for CausalQwen is a bug of CausalQwen; none is excluded or expected to fail.
+`TestCausalQwenGeneric` adapts two hooks of the mixins so that their inputs and targets never hold `<NUM>` without
+values (CausalQwen's forward rejects that), and asks for one check that transformers runs only for its newer models;
+each says why where it is set.
 """
 
 from __future__ import annotations
 
-import functools
 import sys
 import unittest
 from pathlib import Path
@@ -152,31 +151,3 @@ class TestCausalQwenGeneric(_GenericTest, unittest.TestCase):
         logits = logits.clone()
         logits[..., self.model_tester.num_token_id] = logits.mean(-1)
         return logits
-
-
-# Generation checks that fail for CausalQwen and pass for Qwen2. Generation is being reworked separately; these are
-# expected failures until then (not strict, so that the rework turns them into XPASS, and they can be removed here).
-GENERATION_XFAIL_REASON = "generation: being fixed"
-GENERATION_XFAILS = {
-    # Assisted decoding: the assistant's generate is called with `generation_state` twice (TypeError).
-    "test_assisted_decoding_matches_greedy_search_0_random": "assisted decoding passes generation_state twice",
-    "test_assisted_decoding_matches_greedy_search_1_same": "assisted decoding passes generation_state twice",
-    "test_assisted_decoding_sample": "assisted decoding: do_sample needs mode='traditional'",
-    # torch.compile(fullgraph=True) of the forward that generate runs: the input checks read tensor values
-    # (`int(ids.max())`), a data-dependent guard that dynamo cannot trace.
-    "test_generate_compile_model_forward_fullgraph": "compiled forward: data-dependent input checks",
-}
-
-
-def _expect_failure(name: str, mark) -> None:
-    inherited = getattr(TestCausalQwenGeneric, name)
-
-    @functools.wraps(inherited)
-    def test(self):
-        return inherited(self)
-
-    setattr(TestCausalQwenGeneric, name, mark(test))
-
-
-for _name, _detail in GENERATION_XFAILS.items():
-    _expect_failure(_name, pytest.mark.xfail(reason=f"{GENERATION_XFAIL_REASON} ({_detail})", strict=False))
