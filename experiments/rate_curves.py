@@ -1,0 +1,70 @@
+"""Learning curves of arm (a) on validation under different learning-rate scales, in one process.
+
+Each variant trains a fresh `from_qwen` model with `CausalQwenTrainer` (every default, the value-head start
+included) on the experiment's training texts, with `LEARNING_RATE_SCALES` changed as the variant says, and
+measures the target's median relative error and the 50% / 90% coverage on the validation split after the start
+and every `--every` steps, plus how far w_num moved.
+
+    python experiments/rate_curves.py --steps 12 --every 6 \\
+        --variant defaults= --variant "frozen read-out=action.reg_head:1e-6,action.reg_log_noise:1e-6"
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import run_experiment as experiment  # noqa: E402
+
+from causal_qwen import CausalQwenTokenizer  # noqa: E402
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, float]]:
+    """`name=module:scale,module:scale` (an empty list keeps the defaults)."""
+    name, _, changes = text.partition("=")
+    scales = {}
+    for item in filter(None, changes.split(",")):
+        module, _, scale = item.partition(":")
+        scales[module.strip()] = float(scale)
+    return name.strip(), scales
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--variant", action="append", type=parse_variant, required=True)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--every", type=int, default=6)
+    parser.add_argument("--profile", default="cpu", choices=sorted(experiment.PROFILES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default="runs/rate_curves")
+    args = parser.parse_args()
+    profile = experiment.PROFILES[args.profile]
+    data = experiment.load_data(profile, args.seed)
+    tokenizer = CausalQwenTokenizer.from_pretrained(experiment.QWEN_DIR)
+    validation = data["validation"]
+
+    def measure(model) -> dict:
+        targets = experiment.causal_targets(model, tokenizer, validation, profile.eval_batch)
+        model.train()
+        return {"error": experiment.point_metrics(targets["median"], targets["true"])["reg_rel_err_median"],
+                **experiment.interval_metrics(targets)}
+
+    for name, scales in args.variant:
+        started = time.perf_counter()
+        model = experiment.new_causal(profile, tokenizer, args.seed)
+        w_num = model.numeric_embedding.w_num.detach().clone()
+        curve = experiment.CurveCallback(args.every, measure)
+        experiment.train_causal(model, tokenizer, data["train"], profile, Path(args.output) / "run", args.seed,
+                                steps=args.steps, scales=scales, curve=curve)
+        moved = ((model.numeric_embedding.w_num - w_num).norm() / w_num.norm()).item()
+        points = "  ".join(f"step {p['step']}: {p['error']:.3f} ({p['reg_coverage_50']:.2f} / "
+                           f"{p['reg_coverage_90']:.2f})" for p in curve.points)
+        print(f"{name}: {points}  w_num moved {100 * moved:.1f}%  [{time.perf_counter() - started:.0f} s]",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
