@@ -215,6 +215,7 @@ class CausalQwenTrainer(Trainer):
                 if hasattr(module, "register_zero3_heads"):
                     module.register_zero3_heads()
         self._loss_parts: dict[str, list[float]] = {"cls_loss": [], "reg_loss": [], "loss": []}
+        self._num_numbers_in_batch: torch.Tensor | None = None  # the step's <NUM> targets (get_batch_samples)
         self.value_head_start = ValueHeadStartCallback(self) if value_head_start else None
         if self.value_head_start is not None:
             self.add_callback(self.value_head_start)
@@ -272,10 +273,9 @@ class CausalQwenTrainer(Trainer):
         return count / (self.get_tp_size() * self.get_cp_size() * self.get_sp_size())
 
     def _loss_inputs(self, inputs: dict, num_items_in_batch) -> dict:
-        count = getattr(self, "_num_numbers_in_batch", None)
-        if num_items_in_batch is None or count is None or not self.model_accepts_loss_kwargs:
+        if num_items_in_batch is None or self._num_numbers_in_batch is None or not self.model_accepts_loss_kwargs:
             return inputs
-        return {**inputs, "num_numbers_in_batch": count}
+        return {**inputs, "num_numbers_in_batch": self._num_numbers_in_batch}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss, outputs = super().compute_loss(model, self._loss_inputs(inputs, num_items_in_batch), return_outputs=True,
