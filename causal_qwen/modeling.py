@@ -303,7 +303,10 @@ class CausalQwenAction(nn.Module):
             self.threshold = new
 
     def _unused_value_head_zero(self) -> torch.Tensor | float:
-        """0 · the value head's trainable parameters: a batch without a `<NUM>` target leaves them out of the loss.
+        """0 · the value head's trainable parameters, which a batch without values leaves out of the loss.
+
+        (With values, the regression sum keeps the head in the graph even when no target is `<NUM>`,
+        `loss.combine_losses`; without `numeric_labels` or `numeric_values` there is no regression term at all.)
 
         Data-parallel and sharding engines wait for a gradient of every trainable parameter (DDP without looking
         for unused ones, as under activation checkpointing; FSDP and DeepSpeed reduce the same parameters in the
