@@ -6,7 +6,8 @@ measures the target's median relative error and the 50% / 90% coverage on the va
 and every `--every` steps, plus how far w_num moved.
 
     python experiments/rate_curves.py --steps 12 --every 6 \\
-        --variant defaults= --variant "frozen read-out=action.reg_head:1e-6,action.reg_log_noise:1e-6"
+        --variant defaults= --variant "frozen read-out=action.reg_head:1e-6,action.reg_log_noise:1e-6" \\
+        --variant "value-led=config.reg_loss_weight:10"
 """
 
 from __future__ import annotations
@@ -22,14 +23,21 @@ import run_experiment as experiment  # noqa: E402
 from causal_qwen import CausalQwenTokenizer  # noqa: E402
 
 
-def parse_variant(text: str) -> tuple[str, dict[str, float]]:
-    """`name=module:scale,module:scale` (an empty list keeps the defaults)."""
+def parse_variant(text: str) -> tuple[str, dict[str, float], dict[str, float]]:
+    """`name=module:scale,config.field:value,...` (an empty list keeps the defaults).
+
+    `module:scale` changes a learning-rate scale; `config.field:value` a field of `from_qwen`'s configuration.
+    """
     name, _, changes = text.partition("=")
-    scales = {}
+    scales, config = {}, {}
     for item in filter(None, changes.split(",")):
-        module, _, scale = item.partition(":")
-        scales[module.strip()] = float(scale)
-    return name.strip(), scales
+        key, _, value = item.partition(":")
+        key = key.strip()
+        if key.startswith("config."):
+            config[key.removeprefix("config.")] = float(value)
+        else:
+            scales[key] = float(value)
+    return name.strip(), scales, config
 
 
 def main() -> None:
@@ -52,9 +60,9 @@ def main() -> None:
         return {"error": experiment.point_metrics(targets["median"], targets["true"])["reg_rel_err_median"],
                 **experiment.interval_metrics(targets)}
 
-    for name, scales in args.variant:
+    for name, scales, config in args.variant:
         started = time.perf_counter()
-        model = experiment.new_causal(profile, tokenizer, args.seed)
+        model = experiment.new_causal(profile, tokenizer, args.seed, **config)
         w_num = model.numeric_embedding.w_num.detach().clone()
         curve = experiment.CurveCallback(args.every, measure)
         experiment.train_causal(model, tokenizer, data["train"], profile, Path(args.output) / "run", args.seed,
