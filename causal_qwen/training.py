@@ -177,7 +177,8 @@ class ValueHeadStartCallback(TrainerCallback):
 def _broadcast_value_head(model) -> None:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
-    for param in (model.action.reg_head.weight, model.action.reg_head.bias, model.action.reg_log_noise):
+    for param in (model.action.reg_head.weight, model.action.reg_head.bias, model.action.reg_log_noise,
+                  model.action.cls_head.bias):
         if param is not None:
             torch.distributed.broadcast(param.data, src=0)
     fit = [model.config.value_head_fit]

@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_experiment as experiment  # noqa: E402
 
@@ -26,14 +28,15 @@ from causal_qwen import CausalQwenTokenizer  # noqa: E402
 def parse_variant(text: str) -> tuple[str, dict[str, float], dict[str, float]]:
     """`name=module:scale,config.field:value,...` (an empty list keeps the defaults).
 
-    `module:scale` changes a learning-rate scale; `config.field:value` a field of `from_qwen`'s configuration.
+    `module:scale` changes a learning-rate scale; `config.field:value` a field of `from_qwen`'s configuration;
+    `num_bias:value` adds value to the classification bias of `<NUM>` after conversion.
     """
     name, _, changes = text.partition("=")
     scales, config = {}, {}
     for item in filter(None, changes.split(",")):
         key, _, value = item.partition(":")
         key = key.strip()
-        if key.startswith("config."):
+        if key.startswith("config.") or key == "num_bias":
             config[key.removeprefix("config.")] = float(value)
         else:
             scales[key] = float(value)
@@ -48,6 +51,7 @@ def main() -> None:
     parser.add_argument("--profile", default="cpu", choices=sorted(experiment.PROFILES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="runs/rate_curves")
+    parser.add_argument("--positions", action="store_true", help="also measure num_f1 and accuracy on validation")
     args = parser.parse_args()
     profile = experiment.PROFILES[args.profile]
     data = experiment.load_data(profile, args.seed)
@@ -56,20 +60,28 @@ def main() -> None:
 
     def measure(model) -> dict:
         targets = experiment.causal_targets(model, tokenizer, validation, profile.eval_batch)
+        point = {"error": experiment.point_metrics(targets["median"], targets["true"])["reg_rel_err_median"],
+                 **experiment.interval_metrics(targets)}
+        if args.positions:
+            positions = experiment.causal_positions(model, tokenizer, validation, profile.eval_batch, args.seed)
+            point.update(num_f1=positions["eval/num_f1"], accuracy=positions["eval/accuracy"])
         model.train()
-        return {"error": experiment.point_metrics(targets["median"], targets["true"])["reg_rel_err_median"],
-                **experiment.interval_metrics(targets)}
+        return point
 
     for name, scales, config in args.variant:
         started = time.perf_counter()
+        num_bias = config.pop("num_bias", 0.0)
         model = experiment.new_causal(profile, tokenizer, args.seed, **config)
+        with torch.no_grad():
+            model.action.cls_head.bias[model.config.num_token_id] += num_bias
         w_num = model.numeric_embedding.w_num.detach().clone()
         curve = experiment.CurveCallback(args.every, measure)
         experiment.train_causal(model, tokenizer, data["train"], profile, Path(args.output) / "run", args.seed,
                                 steps=args.steps, scales=scales, curve=curve)
         moved = ((model.numeric_embedding.w_num - w_num).norm() / w_num.norm()).item()
         points = "  ".join(f"step {p['step']}: {p['error']:.3f} ({p['reg_coverage_50']:.2f} / "
-                           f"{p['reg_coverage_90']:.2f})" for p in curve.points)
+                           f"{p['reg_coverage_90']:.2f})" + (f" num_f1 {p['num_f1']:.3f} acc {p['accuracy']:.3f}"
+                                                             if args.positions else "") for p in curve.points)
         print(f"{name}: {points}  w_num moved {100 * moved:.1f}%  [{time.perf_counter() - started:.0f} s]",
               flush=True)
 

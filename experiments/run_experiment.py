@@ -434,7 +434,8 @@ def fitted_start(profile: Profile, tokenizer, train: list[NumericExample], seed:
     batches = (collator(features[k:k + profile.eval_batch]) for k in range(0, len(features), profile.eval_batch))
     fit_value_head(model, batches)
     return {"head": copy.deepcopy(model.action.reg_head.state_dict()), "fit": model.config.value_head_fit,
-            "log_noise": model.action.reg_log_noise.detach().clone()}
+            "log_noise": model.action.reg_log_noise.detach().clone(),
+            "num_bias": model.action.cls_head.bias[model.config.num_token_id].item()}
 
 
 def run_sweep(profile: Profile, tokenizer, data: dict, out: Path, seed: int, lap) -> list[dict]:
@@ -452,6 +453,7 @@ def run_sweep(profile: Profile, tokenizer, data: dict, out: Path, seed: int, lap
         if start:
             model.action.reg_head.load_state_dict(fitted["head"])
             model.action.reg_log_noise.data.copy_(fitted["log_noise"])
+            model.action.cls_head.bias.data[model.config.num_token_id] = fitted["num_bias"]
             model.config.value_head_fit = fitted["fit"]
         trainer = train_causal(model, tokenizer, data["train"], profile, out / "sweep", seed,
                                steps=profile.sweep_steps, scales=change.get("scales"), start=start)

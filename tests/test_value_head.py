@@ -12,7 +12,7 @@ from causal_qwen import CausalQwenForCausalLM
 from causal_qwen.cauchy import symlog
 from causal_qwen.data.collator import CausalQwenDataCollator
 from causal_qwen.training import CausalQwenTrainer
-from causal_qwen.value_head import fit_value_head, ridge_readout
+from causal_qwen.value_head import fit_value_head, num_bias_offset, ridge_readout
 
 
 def _numpy_ridge(x: np.ndarray, y: np.ndarray, penalty: float, scaling=None) -> tuple[np.ndarray, float]:
@@ -85,6 +85,73 @@ def test_fit_value_head_sets_the_ridge_solution_of_a_fixed_batch(model):
     assert fit.positions == len(y) == 32
     assert math.exp(model.action.reg_log_noise.item()) == pytest.approx(_numpy_loo_median(x, y, 3.0), rel=1e-5)
     assert model.config.value_head_fit == fit.to_dict()
+
+
+def _numpy_num_loss(loc: np.ndarray, scale: np.ndarray, is_num: np.ndarray, threshold: float,
+                    offsets: np.ndarray) -> np.ndarray:
+    """Mean binary cross-entropy of the OvR decision with the textbook P = 1/2 + arctan((loc − C)/scale)/π."""
+    p = 0.5 + np.arctan((loc[None] + offsets[:, None] - threshold) / scale[None]) / np.pi
+    return -np.where(is_num[None], np.log(p), np.log1p(-p)).mean(1)
+
+
+def test_num_bias_offset_minimises_the_float64_cross_entropy():
+    g = np.random.default_rng(1)
+    is_num = g.random(400) < 0.2
+    loc = g.normal(size=400) * 2.0 + np.where(is_num, 1.0, -2.0)
+    scale = np.exp(g.normal(size=400)) * 0.5
+    offset, before, after = num_bias_offset(torch.tensor(loc), torch.tensor(scale), torch.tensor(is_num), 4.0)
+    grid = np.linspace(-10.0, 10.0, 200001)  # steps of 1e-4
+    losses = _numpy_num_loss(loc, scale, is_num, 4.0, grid)
+    assert offset == pytest.approx(grid[losses.argmin()], abs=1e-3)
+    assert after == pytest.approx(losses.min(), rel=1e-8)
+    assert before == pytest.approx(_numpy_num_loss(loc, scale, is_num, 4.0, np.zeros(1))[0], rel=1e-12)
+    assert offset > 1.0 and after < before  # the positives sit below C = 4: the decision needs a higher bias
+
+
+def test_num_bias_offset_rejects_bad_input():
+    with pytest.raises(ValueError, match="loc, scale and is_num"):
+        num_bias_offset(torch.zeros(3), torch.ones(4), torch.zeros(3, dtype=torch.bool), 1.0)
+    with pytest.raises(ValueError, match="at least one"):
+        num_bias_offset(torch.zeros(0), torch.ones(0), torch.zeros(0, dtype=torch.bool), 1.0)
+    with pytest.raises(ValueError, match="span"):
+        num_bias_offset(torch.zeros(2), torch.ones(2), torch.zeros(2, dtype=torch.bool), 1.0, span=0.0)
+
+
+def test_fit_value_head_starts_the_num_bias_from_the_decision_loss(model):
+    batch = CausalQwenDataCollator(0)(dataset(16))
+    bias_before = model.action.cls_head.bias.detach().clone()
+
+    def num_decisions():
+        # The `<NUM>` column from the full forward's distributions, at every labelled position.
+        with torch.no_grad():
+            out = model(batch["input_ids"], numeric_values=batch["numeric_values"],
+                        attention_mask=batch["attention_mask"])
+        labelled = batch["labels"][:, 1:] != -100
+        return (out.loc_S[:, :-1, NUM][labelled].double().numpy(), out.scale_S[:, :-1, NUM][labelled].double().numpy(),
+                (batch["labels"][:, 1:] == NUM)[labelled].numpy())
+
+    loc, scale, is_num = num_decisions()
+    grid = np.linspace(-10.0, 10.0, 20001)
+    losses = _numpy_num_loss(loc, scale, is_num, 1.0, grid)
+    fit = fit_value_head(model, [batch])
+    assert fit.num_bias_offset == pytest.approx(grid[losses.argmin()], abs=2e-3)
+    assert fit.num_loss_before == pytest.approx(losses[len(grid) // 2], rel=1e-5)
+    assert fit.num_loss_after == pytest.approx(losses.min(), rel=1e-5) and fit.num_loss_after < fit.num_loss_before
+    moved = model.action.cls_head.bias.detach() - bias_before
+    assert moved[NUM].item() == pytest.approx(fit.num_bias_offset, abs=1e-6)
+    assert torch.count_nonzero(moved).item() == 1  # no other class moves
+    after_loc, _, _ = num_decisions()
+    np.testing.assert_allclose(after_loc, loc + fit.num_bias_offset, rtol=1e-5, atol=1e-5)
+    assert model.config.value_head_fit["num_bias_offset"] == fit.num_bias_offset
+
+
+def test_fit_value_head_can_leave_the_num_bias(model):
+    bias_before = model.action.cls_head.bias.detach().clone()
+    fit = fit_value_head(model, [CausalQwenDataCollator(0)(dataset(16))], num_bias=False)
+    assert torch.equal(model.action.cls_head.bias, bias_before)
+    assert fit.num_bias_offset is None and fit.num_loss_before is None
+    with pytest.raises(TypeError, match="num_bias"):
+        fit_value_head(model, [CausalQwenDataCollator(0)(dataset(16))], num_bias=1)
 
 
 def test_fit_value_head_reads_only_labelled_positions(model):
