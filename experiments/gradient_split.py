@@ -5,7 +5,7 @@ training batch of the experiment goes forward twice, once backpropagating the cl
 value term (`loss − cls_loss`, i.e. `reg_loss_weight` times the gated regression NLL). Adam normalises the sum of
 the two per coordinate, so where one gradient is several times the other, it sets the direction of the step.
 
-    python experiments/gradient_split.py --reg-loss-weight 1 --reg-loss-weight 10
+    python experiments/gradient_split.py --reg-loss-weight 1 --reg-loss-weight 10 [--no-num-bias]
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--profile", default="cpu", choices=sorted(experiment.PROFILES))
     parser.add_argument("--num-fit", type=int, default=128, help="training texts the value head is fitted on")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-num-bias", action="store_true", help="start the value head only, not the <NUM> bias")
     args = parser.parse_args()
     profile = experiment.PROFILES[args.profile]
     data = experiment.load_data(profile, args.seed)
@@ -49,7 +50,7 @@ def main() -> None:
     for weight in args.reg_loss_weight or [1.0]:
         model = experiment.new_causal(profile, tokenizer, args.seed, reg_loss_weight=weight)
         fit_value_head(model, (collator(features[k:k + profile.eval_batch])
-                               for k in range(0, len(features), profile.eval_batch)))
+                               for k in range(0, len(features), profile.eval_batch)), num_bias=not args.no_num_bias)
         model.train()
         for p in model.parameters():
             p.grad = torch.zeros_like(p) if p.requires_grad else None

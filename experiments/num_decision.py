@@ -1,0 +1,103 @@
+"""Where does the `<NUM>` decision want its bias? Its own loss and num_f1 by the offset of b_cls[<NUM>].
+
+For a model (a fresh `from_qwen` conversion, or a saved arm (a) of `run_experiment.py`), this script reads the
+`<NUM>` column of the heads at every labelled position of the first training texts, finds the offset of the `<NUM>`
+bias that minimises that class's OvR binary cross-entropy there (`causal_qwen.value_head.num_bias_offset`, what the
+value-head start applies) and, for comparison, the offset of best F1 on the same positions; it reports standard
+mode's `<NUM>` decisions on the evaluation splits at 0 and at both offsets: precision, recall and F1 of "`<NUM>`
+has the largest P_k" against "the next token is `<NUM>`", as `causal_qwen.metrics.evaluate` counts them.
+
+    python experiments/num_decision.py --model fresh
+    python experiments/num_decision.py --model /tmp/runs/exp/a/final
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import run_experiment as experiment  # noqa: E402
+
+from causal_qwen import CausalQwenForCausalLM, CausalQwenTokenizer  # noqa: E402
+from causal_qwen.data.collator import CausalQwenDataCollator  # noqa: E402
+from causal_qwen.labels import IGNORE_INDEX  # noqa: E402
+from causal_qwen.value_head import num_bias_offset  # noqa: E402
+
+
+@torch.no_grad()
+def num_columns(model, tokenizer, examples, batch_size: int) -> dict[str, torch.Tensor]:
+    """At every labelled position: the `<NUM>` column's (loc_S, scale_S), the loc at which `<NUM>`'s P_k would equal
+    the largest other P_k, and whether the next token is `<NUM>`."""
+    num, action = model.config.num_token_id, model.action
+    collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
+    features = experiment.tokenize_examples(tokenizer, [ex.text for ex in examples])
+    out: dict[str, list[torch.Tensor]] = {"loc": [], "scale": [], "tie": [], "is_num": []}
+    for k in range(0, len(features), batch_size):
+        batch = collator(features[k:k + batch_size])
+        result = model(batch["input_ids"], numeric_values=batch["numeric_values"],
+                       attention_mask=batch["attention_mask"])
+        labelled = batch["labels"][:, 1:] != IGNORE_INDEX
+        loc, scale = result.loc_S[:, :-1], result.scale_S[:, :-1]
+        p = action.ovr_probability(loc, scale)
+        p[..., num] = -1.0
+        best = p.max(-1).values.double().clamp(max=1 - 1e-12)
+        threshold = float(action.threshold[num])
+        # P = 1/2 + atan((loc − C)/scale)/π, solved for loc at P = best.
+        tie = threshold + torch.tan((best - 0.5) * math.pi) * scale[..., num].double()
+        out["loc"].append(loc[..., num][labelled].double())
+        out["scale"].append(scale[..., num][labelled].double())
+        out["tie"].append(tie[labelled])
+        out["is_num"].append((batch["labels"][:, 1:] == num)[labelled])
+    return {name: torch.cat(parts) for name, parts in out.items()}
+
+
+def scores(columns: dict[str, torch.Tensor], offset: float) -> tuple[float, float, float]:
+    chosen = columns["loc"] + offset > columns["tie"]
+    truth = columns["is_num"]
+    hits = int((chosen & truth).sum())
+    precision = hits / max(int(chosen.sum()), 1)
+    recall = hits / max(int(truth.sum()), 1)
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    return precision, recall, f1
+
+
+def decisions(columns: dict[str, torch.Tensor], offset: float) -> str:
+    precision, recall, f1 = scores(columns, offset)
+    return f"P {precision:.3f} R {recall:.3f} F1 {f1:.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="'fresh' (from_qwen with every default) or a saved folder")
+    parser.add_argument("--profile", default="cpu", choices=sorted(experiment.PROFILES))
+    parser.add_argument("--num-fit", type=int, default=96, help="training texts the offset is fitted on")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    profile = experiment.PROFILES[args.profile]
+    data = experiment.load_data(profile, args.seed)
+    tokenizer = CausalQwenTokenizer.from_pretrained(experiment.QWEN_DIR)
+    if args.model == "fresh":
+        model = experiment.new_causal(profile, tokenizer, args.seed)
+    else:
+        model = CausalQwenForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model.eval()
+    train = num_columns(model, tokenizer, data["train"][:args.num_fit], profile.eval_batch)
+    threshold = float(model.action.threshold[model.config.num_token_id])
+    offset, before, after = num_bias_offset(train["loc"], train["scale"], train["is_num"], threshold)
+    grid = [k / 20 for k in range(-200, 201)]
+    best_f1 = max(grid, key=lambda d: scores(train, d)[2])
+    print(f"{args.model}: <NUM> loss on {len(train['loc'])} training positions {before:.4f} at 0, {after:.4f} at the "
+          f"offset {offset:+.3f}; the offset of best F1 there is {best_f1:+.2f}", flush=True)
+    for split in ("train", "validation", "test", "real_test"):
+        columns = train if split == "train" else num_columns(model, tokenizer, data[split], profile.eval_batch)
+        print(f"  {split:10s} at 0: {decisions(columns, 0.0)} | loss offset {offset:+.2f}: "
+              f"{decisions(columns, offset)} | F1 offset {best_f1:+.2f}: {decisions(columns, best_f1)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
