@@ -20,8 +20,8 @@ WORKER = Path(__file__).with_name("ddp_worker.py")
 def test_ddp_two_processes_equal_single_process(tmp_path):
     single, ddp = tmp_path / "single.pt", tmp_path / "ddp.pt"
     subprocess.run([sys.executable, str(WORKER), str(single), "4"], check=True, capture_output=True)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(WORKER), str(ddp),
-                    "2"], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    str(WORKER), str(ddp), "2"], check=True, capture_output=True)
     a, b = torch.load(single), torch.load(ddp)
     assert a.keys() == b.keys() and "action.cls_head.weight" in a and "numeric_embedding.w_num" in a
     for name in a:
@@ -32,8 +32,8 @@ def test_ddp_with_checkpointing_and_a_rank_without_numbers_finishes(tmp_path):
     # Under activation checkpointing DDP does not look for unused parameters: every trainable parameter must get
     # a gradient on every rank, even when a rank's batch has no number at all.
     out = tmp_path / "uneven.pt"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(WORKER), str(out),
-                    "2", "--uneven"], check=True, capture_output=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    str(WORKER), str(out), "2", "--uneven"], check=True, capture_output=True, timeout=300)
     params = torch.load(out)
     assert all(torch.isfinite(p).all() for p in params.values())
 
