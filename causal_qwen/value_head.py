@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .cauchy import ovr_log_probs
+from .cauchy import linear, ovr_log_probs
 from .checks import check_positive_finite
 from .labels import IGNORE_INDEX, next_token_targets
 from .loss import transform_values
@@ -82,8 +82,9 @@ def _read_rows(model, batches: Iterable[Mapping[str, torch.Tensor]], max_positio
     num_id = model.config.num_token_id
     action = model.action
     device = next(model.parameters()).device
-    row_weight = action.cls_head.weight[num_id].double()
-    row_bias = action.cls_head.bias[num_id].double()
+    # The `<NUM>` row of the classification head alone, in float64 (a [V]-wide head is not needed for one class).
+    row_weight = action.cls_head.weight[num_id:num_id + 1].double()
+    row_bias = action.cls_head.bias[num_id:num_id + 1].double()
     xs, ys, locs, scales, labels = [], [], [], [], []
     count = 0
     for batch in batches:
@@ -99,10 +100,10 @@ def _read_rows(model, batches: Iterable[Mapping[str, torch.Tensor]], max_positio
         xs.append(out.loc_U[where.to(device)].double().cpu())
         ys.append(next_values[where].double().cpu())
         labelled = (targets != IGNORE_INDEX).to(device)
-        # The `<NUM>` column of the classification head only: (loc_S, scale_S) as `CausalQwenAction.classify` has them.
         loc, scale = action.head_inputs(out.loc_U[labelled], out.scale_U[labelled])
-        locs.append((loc.double() @ row_weight + row_bias).cpu())
-        scales.append((scale.double() @ row_weight.abs()).clamp(min=action.scale_min).cpu())
+        loc_s, scale_s = linear(loc.double(), scale.double(), row_weight, row_bias)
+        locs.append(loc_s[:, 0].cpu())
+        scales.append(scale_s[:, 0].clamp(min=action.scale_min).cpu())
         labels.append(where[labelled.cpu()].cpu())
         count += int(where.sum())
         if count >= max_positions:
