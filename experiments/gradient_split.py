@@ -49,8 +49,8 @@ def main() -> None:
     batch = collator(features[:profile.batch_size])
     for weight in args.reg_loss_weight or [1.0]:
         model = experiment.new_causal(profile, tokenizer, args.seed, reg_loss_weight=weight)
-        fit_value_head(model, (collator(features[k:k + profile.eval_batch])
-                               for k in range(0, len(features), profile.eval_batch)), num_bias=not args.no_num_bias)
+        fit_value_head(model, experiment.collated(collator, features, profile.eval_batch),
+                       num_bias=not args.no_num_bias)
         model.train()
         for p in model.parameters():
             p.grad = torch.zeros_like(p) if p.requires_grad else None

@@ -50,7 +50,7 @@ def main() -> None:
     report("trained", model, tokenizer, data, profile.eval_batch)
     collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
     features = experiment.tokenize_examples(tokenizer, [ex.text for ex in data["train"]])
-    batches = (collator(features[k:k + profile.eval_batch]) for k in range(0, len(features), profile.eval_batch))
+    batches = experiment.collated(collator, features, profile.eval_batch)
     print(fit_value_head(model, batches), flush=True)
     report("refitted", model, tokenizer, data, profile.eval_batch)
 

@@ -254,11 +254,16 @@ def causal_generated(model, tokenizer, examples: list[NumericExample], batch_siz
     return results
 
 
+def collated(collator, features: list[dict], batch_size: int):
+    """The features in order, collated `batch_size` at a time (a generator, read once)."""
+    return (collator(features[k:k + batch_size]) for k in range(0, len(features), batch_size))
+
+
 def causal_positions(model, tokenizer, examples: list[NumericExample], batch_size: int, seed: int) -> dict:
     """Next-token metrics of docs/design.md §6 over every position (`causal_qwen.metrics.evaluate`)."""
     collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
     features = tokenize_examples(tokenizer, [ex.text for ex in examples])
-    batches = (collator(features[k:k + batch_size]) for k in range(0, len(features), batch_size))
+    batches = collated(collator, features, batch_size)
     return evaluate(model, batches, generator=torch.Generator().manual_seed(seed))
 
 
@@ -431,7 +436,7 @@ def fitted_start(profile: Profile, tokenizer, train: list[NumericExample], seed:
     model = new_causal(profile, tokenizer, seed)
     collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
     features = tokenize_examples(tokenizer, [ex.text for ex in train])
-    batches = (collator(features[k:k + profile.eval_batch]) for k in range(0, len(features), profile.eval_batch))
+    batches = collated(collator, features, profile.eval_batch)
     fit_value_head(model, batches)
     return {"head": copy.deepcopy(model.action.reg_head.state_dict()), "fit": model.config.value_head_fit,
             "log_noise": model.action.reg_log_noise.detach().clone(),

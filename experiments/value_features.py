@@ -47,8 +47,7 @@ def main() -> None:
         model = experiment.new_causal(profile, tokenizer, args.seed).eval()
         with torch.no_grad():
             model.numeric_embedding.w_num.mul_(scale)
-        batches = (collator(features[k:k + profile.eval_batch])
-                   for k in range(0, len(features), profile.eval_batch))
+        batches = experiment.collated(collator, features, profile.eval_batch)
         fit = fit_value_head(model, batches)
         targets = experiment.causal_targets(model, tokenizer, data["validation"], profile.eval_batch)
         point = experiment.point_metrics(targets["median"], targets["true"])
