@@ -177,10 +177,14 @@ class ValueHeadStartCallback(TrainerCallback):
 def _broadcast_value_head(model) -> None:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
-    for param in (model.action.reg_head.weight, model.action.reg_head.bias, model.action.reg_log_noise,
-                  model.action.cls_head.bias):
+    action = model.action
+    for param in (action.reg_head.weight, action.reg_head.bias, action.reg_log_noise, action.cls_head.bias):
         if param is not None:
             torch.distributed.broadcast(param.data, src=0)
+    # The start changes one row of the [V, C] class head: broadcast that row only.
+    row = action.cls_head.weight.data[model.config.num_token_id].clone()
+    torch.distributed.broadcast(row, src=0)
+    action.cls_head.weight.data[model.config.num_token_id] = row
     fit = [model.config.value_head_fit]
     torch.distributed.broadcast_object_list(fit, src=0)
     model.config.value_head_fit = fit[0]

@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--profile", default="cpu", choices=sorted(experiment.PROFILES))
     parser.add_argument("--num-fit", type=int, default=128, help="training texts the value head is fitted on")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-num-bias", action="store_true", help="start the value head only, not the <NUM> bias")
+    parser.add_argument("--no-num-bias", action="store_true", help="start the value head only")
     args = parser.parse_args()
     profile = experiment.PROFILES[args.profile]
     data = experiment.load_data(profile, args.seed)
@@ -50,7 +50,7 @@ def main() -> None:
     for weight in args.reg_loss_weight or [1.0]:
         model = experiment.new_causal(profile, tokenizer, args.seed, reg_loss_weight=weight)
         fit_value_head(model, experiment.collated(collator, features, profile.eval_batch),
-                       num_bias=not args.no_num_bias)
+                       num_row=not args.no_num_bias)
         model.train()
         for p in model.parameters():
             p.grad = torch.zeros_like(p) if p.requires_grad else None

@@ -2,10 +2,11 @@
 
 For a model (a fresh `from_qwen` conversion, or a saved arm (a) of `run_experiment.py`), this script reads the
 `<NUM>` column of the heads at every labelled position of the first training texts, finds the offset of the `<NUM>`
-bias that minimises that class's OvR binary cross-entropy there (`causal_qwen.value_head.num_bias_offset`, what the
-value-head start applies) and, for comparison, the offset of best F1 on the same positions; it reports standard
-mode's `<NUM>` decisions on the evaluation splits at 0 and at both offsets: precision, recall and F1 of "`<NUM>`
-has the largest P_k" against "the next token is `<NUM>`", as `causal_qwen.metrics.evaluate` counts them.
+bias that minimises that class's OvR binary cross-entropy there (`num_bias_offset`, what the value-head start
+applied before it fitted the whole row) and, for comparison, the offset of best F1 on the same positions; it
+reports standard mode's `<NUM>` decisions on the evaluation splits at 0 and at both offsets: precision, recall
+and F1 of "`<NUM>` has the largest P_k" against "the next token is `<NUM>`", as `causal_qwen.metrics.evaluate`
+counts them.
 
     python experiments/num_decision.py --model fresh
     python experiments/num_decision.py --model /tmp/runs/exp/a/final
@@ -24,9 +25,52 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_experiment as experiment  # noqa: E402
 
 from causal_qwen import CausalQwenForCausalLM, CausalQwenTokenizer  # noqa: E402
+from causal_qwen.cauchy import ovr_log_probs  # noqa: E402
 from causal_qwen.data.collator import CausalQwenDataCollator  # noqa: E402
 from causal_qwen.labels import IGNORE_INDEX  # noqa: E402
-from causal_qwen.value_head import num_bias_offset  # noqa: E402
+
+
+def num_bias_offset(
+    loc: torch.Tensor,
+    scale: torch.Tensor,
+    is_num: torch.Tensor,
+    threshold: float,
+    *,
+    span: float = 10.0,
+) -> tuple[float, float, float]:
+    """The offset δ of the `<NUM>` bias that minimises the mean OvR binary cross-entropy of the `<NUM>` class,
+    −[y log P + (1 − y) log(1 − P)] with P = P(S > C), S ~ Cauchy(loc + δ, scale), over positions `[M]`.
+
+    The loss is not convex in δ (a Cauchy CDF is not log-concave), so δ is searched on a grid over [−span, span]
+    (steps of 0.02), then refined on a grid of steps of 0.0005 around the best point.
+
+    Returns:
+        `(offset, mean loss at 0, mean loss at offset)`.
+    """
+    if loc.dim() != 1 or loc.shape != scale.shape or loc.shape != is_num.shape:
+        raise ValueError(f"loc, scale and is_num must be [M] of one shape, got {tuple(loc.shape)}, "
+                         f"{tuple(scale.shape)} and {tuple(is_num.shape)}")
+    if loc.numel() == 0:
+        raise ValueError("num_bias_offset needs at least one labelled position")
+    if not span > 0:
+        raise ValueError(f"span must be positive, got {span}")
+    loc, scale, positive = loc.double(), scale.double(), is_num.bool()
+
+    def mean_loss(offsets: torch.Tensor) -> torch.Tensor:
+        losses = []
+        for chunk in offsets.split(64):
+            log_p, log_not_p = ovr_log_probs(loc[None] + chunk[:, None], scale[None].expand(len(chunk), -1),
+                                             threshold)
+            losses.append(-torch.where(positive[None], log_p, log_not_p).mean(1))
+        return torch.cat(losses)
+
+    coarse = torch.arange(-span, span + 1e-9, 0.02, dtype=torch.float64)
+    best = coarse[int(mean_loss(coarse).argmin())]
+    fine = (best + torch.arange(-0.02, 0.02 + 1e-9, 0.0005, dtype=torch.float64)).clamp(-span, span)
+    losses = mean_loss(fine)
+    index = int(losses.argmin())
+    before = float(mean_loss(torch.zeros(1, dtype=torch.float64))[0])
+    return float(fine[index]), before, float(losses[index])
 
 
 @torch.no_grad()

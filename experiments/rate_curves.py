@@ -29,14 +29,16 @@ def parse_variant(text: str) -> tuple[str, dict[str, float], dict[str, float]]:
     """`name=module:scale,config.field:value,...` (an empty list keeps the defaults).
 
     `module:scale` changes a learning-rate scale; `config.field:value` a field of `from_qwen`'s configuration;
-    `num_bias:value` adds value to the classification bias of `<NUM>` after conversion.
+    `num_bias:value` adds value to the classification bias of `<NUM>` after conversion; `lora:r` adapts the
+    backbone's attention and MLP projections with PEFT LoRA of rank r (alpha 2r) and trains the three causal modules
+    fully, as docs/training.md's LoRA recipe does.
     """
     name, _, changes = text.partition("=")
     scales, config = {}, {}
     for item in filter(None, changes.split(",")):
         key, _, value = item.partition(":")
         key = key.strip()
-        if key.startswith("config.") or key == "num_bias":
+        if key.startswith("config.") or key in ("num_bias", "lora"):
             config[key.removeprefix("config.")] = float(value)
         else:
             scales[key] = float(value)
@@ -61,6 +63,7 @@ def main() -> None:
     def measure(model) -> dict:
         targets = experiment.causal_targets(model, tokenizer, validation, profile.eval_batch)
         point = {"error": experiment.point_metrics(targets["median"], targets["true"])["reg_rel_err_median"],
+                 "repeat": experiment.per_template(targets["median"], targets["examples"]).get("measurement_noise"),
                  **experiment.interval_metrics(targets)}
         if args.positions:
             positions = experiment.causal_positions(model, tokenizer, validation, profile.eval_batch, args.seed)
@@ -71,15 +74,24 @@ def main() -> None:
     for name, scales, config in args.variant:
         started = time.perf_counter()
         num_bias = config.pop("num_bias", 0.0)
+        rank = int(config.pop("lora", 0))
         model = experiment.new_causal(profile, tokenizer, args.seed, **config)
         with torch.no_grad():
             model.action.cls_head.bias[model.config.num_token_id] += num_bias
-        w_num = model.numeric_embedding.w_num.detach().clone()
+        if rank:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(
+                r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                               "up_proj", "down_proj"],
+                modules_to_save=["numeric_embedding", "abduction", "action"]))
+        w_num = experiment.w_num_of(model).detach().clone()
         curve = experiment.CurveCallback(args.every, measure)
         experiment.train_causal(model, tokenizer, data["train"], profile, Path(args.output) / "run", args.seed,
                                 steps=args.steps, scales=scales, curve=curve)
-        moved = ((model.numeric_embedding.w_num - w_num).norm() / w_num.norm()).item()
-        points = "  ".join(f"step {p['step']}: {p['error']:.3f} ({p['reg_coverage_50']:.2f} / "
+        moved = ((experiment.w_num_of(model) - w_num).norm() / w_num.norm()).item()
+        points = "  ".join(f"step {p['step']}: {p['error']:.3f} repeat {p['repeat'] or float('nan'):.3f} "
+                           f"({p['reg_coverage_50']:.2f} / "
                            f"{p['reg_coverage_90']:.2f})" + (f" num_f1 {p['num_f1']:.3f} acc {p['accuracy']:.3f}"
                                                              if args.positions else "") for p in curve.points)
         print(f"{name}: {points}  w_num moved {100 * moved:.1f}%  [{time.perf_counter() - started:.0f} s]",

@@ -185,6 +185,12 @@ def new_causal(profile: Profile, tokenizer, seed: int, **config) -> CausalQwenFo
     return CausalQwenForCausalLM.from_qwen(QWEN_DIR, **config)
 
 
+def w_num_of(model) -> torch.Tensor:
+    """w_num of a CausalQwen model, or of the trained copy inside a PEFT wrapping."""
+    return next(param for name, param in model.named_parameters() if name.endswith("w_num")
+                and ("modules_to_save" in name or "numeric_embedding.w_num" == name))
+
+
 def train_causal(model, tokenizer, train: list[NumericExample], profile: Profile, out: Path, seed: int,
                  steps: int | None = None, scales: dict | None = None, start: bool = True,
                  curve: CurveCallback | None = None) -> CausalQwenTrainer:

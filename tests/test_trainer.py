@@ -15,13 +15,21 @@ from causal_qwen.metrics import CausalQwenMetrics
 from causal_qwen.training import CausalQwenTrainer, parameter_groups
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+def _run(command: list[str]) -> None:
+    """Run a worker; on failure, show its output (torchrun's own message says only that a rank exited)."""
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} exited {result.returncode}:\n{result.stdout[-4000:]}\n"
+                             f"{result.stderr[-8000:]}")
 
 
 def test_ddp_two_processes_equal_single_process(tmp_path):
     single, ddp = tmp_path / "single.pt", tmp_path / "ddp.pt"
-    subprocess.run([sys.executable, str(WORKER), str(single), "4"], check=True, capture_output=True)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                    str(WORKER), str(ddp), "2"], check=True, capture_output=True)
+    _run([sys.executable, str(WORKER), str(single), "4"])
+    _run([*TORCHRUN, str(WORKER), str(ddp), "2"])
     a, b = torch.load(single), torch.load(ddp)
     assert a.keys() == b.keys() and "action.cls_head.weight" in a and "numeric_embedding.w_num" in a
     for name in a:
@@ -32,8 +40,7 @@ def test_ddp_with_checkpointing_and_a_rank_without_numbers_finishes(tmp_path):
     # Under activation checkpointing DDP does not look for unused parameters: every trainable parameter must get
     # a gradient on every rank, even when a rank's batch has no number at all.
     out = tmp_path / "uneven.pt"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                    str(WORKER), str(out), "2", "--uneven"], check=True, capture_output=True, timeout=300)
+    _run([*TORCHRUN, str(WORKER), str(out), "2", "--uneven"])
     params = torch.load(out)
     assert all(torch.isfinite(p).all() for p in params.values())
 

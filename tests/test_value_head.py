@@ -12,7 +12,7 @@ from causal_qwen import CausalQwenForCausalLM
 from causal_qwen.cauchy import symlog
 from causal_qwen.data.collator import CausalQwenDataCollator
 from causal_qwen.training import CausalQwenTrainer
-from causal_qwen.value_head import fit_value_head, num_bias_offset, ridge_readout
+from causal_qwen.value_head import fit_value_head, num_decision_start, ridge_readout
 
 
 def _numpy_ridge(x: np.ndarray, y: np.ndarray, penalty: float, scaling=None) -> tuple[np.ndarray, float]:
@@ -87,71 +87,135 @@ def test_fit_value_head_sets_the_ridge_solution_of_a_fixed_batch(model):
     assert model.config.value_head_fit == fit.to_dict()
 
 
-def _numpy_num_loss(loc: np.ndarray, scale: np.ndarray, is_num: np.ndarray, threshold: float,
-                    offsets: np.ndarray) -> np.ndarray:
-    """Mean binary cross-entropy of the OvR decision with the textbook P = 1/2 + arctan((loc − C)/scale)/π."""
-    p = 0.5 + np.arctan((loc[None] + offsets[:, None] - threshold) / scale[None]) / np.pi
-    return -np.where(is_num[None], np.log(p), np.log1p(-p)).mean(1)
+def _numpy_probe(x: np.ndarray, need: np.ndarray, target: np.ndarray, penalty: float) -> np.ndarray:
+    """Ridge logistic regression σ(x·a + c − s·need) by Newton's method, parameters (a, c, s), float64."""
+    n, c = x.shape
+    design = np.hstack([x, np.ones((n, 1)), -need[:, None]])
+    ridge = np.diag(np.r_[np.full(c, 2.0 * penalty / n), 0.0, 0.0])
+    theta = np.zeros(c + 2)
+    for _ in range(100):
+        p = 1.0 / (1.0 + np.exp(-(design @ theta)))
+        gradient = design.T @ (p - target) / n + ridge @ theta
+        hessian = design.T @ (design * (p * (1 - p))[:, None]) / n + ridge
+        step = np.linalg.solve(hessian, gradient)
+        theta -= step
+        if np.abs(step).max() < 1e-13:
+            break
+    return theta
 
 
-def test_num_bias_offset_minimises_the_float64_cross_entropy():
-    g = np.random.default_rng(1)
-    is_num = g.random(400) < 0.2
-    loc = g.normal(size=400) * 2.0 + np.where(is_num, 1.0, -2.0)
-    scale = np.exp(g.normal(size=400)) * 0.5
-    offset, before, after = num_bias_offset(torch.tensor(loc), torch.tensor(scale), torch.tensor(is_num), 4.0)
-    grid = np.linspace(-10.0, 10.0, 200001)  # steps of 1e-4
-    losses = _numpy_num_loss(loc, scale, is_num, 4.0, grid)
-    assert offset == pytest.approx(grid[losses.argmin()], abs=1e-3)
-    assert after == pytest.approx(losses.min(), rel=1e-8)
-    assert before == pytest.approx(_numpy_num_loss(loc, scale, is_num, 4.0, np.zeros(1))[0], rel=1e-12)
-    assert offset > 1.0 and after < before  # the positives sit below C = 4: the decision needs a higher bias
+def _synthetic_decisions(seed: int = 1, m: int = 600, c: int = 5):
+    g = np.random.default_rng(seed)
+    u = g.normal(size=(m, c)) * np.array([30.0, 1.0, 0.1, 2.0, 1.0]) + 3.0
+    u_scale = np.exp(g.normal(size=(m, c))) * 0.01
+    row, bias, threshold = g.normal(size=c), 0.3, 2.0
+    rival = g.normal(size=m) * 50.0 + 100.0
+    # Labels from a noisy rule of the same form as the decision: <NUM> where a change of the row would pick it.
+    need = threshold + (u_scale @ np.abs(row)) * rival - (u @ row + bias)
+    is_num = u @ np.array([0.02, -1.0, 8.0, 0.5, 0.0]) + 0.4 + g.logistic(size=m) * 0.5 > need
+    return u, u_scale, row, bias, threshold, rival, is_num
 
 
-def test_num_bias_offset_rejects_bad_input():
-    with pytest.raises(ValueError, match="loc, scale and is_num"):
-        num_bias_offset(torch.zeros(3), torch.ones(4), torch.zeros(3, dtype=torch.bool), 1.0)
-    with pytest.raises(ValueError, match="at least one"):
-        num_bias_offset(torch.zeros(0), torch.ones(0), torch.zeros(0, dtype=torch.bool), 1.0)
-    with pytest.raises(ValueError, match="span"):
-        num_bias_offset(torch.zeros(2), torch.ones(2), torch.zeros(2, dtype=torch.bool), 1.0, span=0.0)
+def test_num_decision_start_is_the_float64_probe_and_scores_standard_mode_exactly():
+    u, u_scale, row, bias, threshold, rival, is_num = _synthetic_decisions()
+    args = [torch.tensor(a) for a in (u, u_scale, row)] + [bias, threshold] + [torch.tensor(rival),
+                                                                                torch.tensor(is_num)]
+    # One round: Newton's method on the same ridge logistic regression at the row's own `need` (how far <NUM> must
+    # rise to win), rescaled to need's coefficient one, gives the change.
+    delta_w, delta_b, before, after = num_decision_start(*args, penalty=5.0, rounds=1)
+    need = threshold + (u_scale @ np.abs(row)) * rival - (u @ row + bias)
+    mean, std = u.mean(0), u.std(0, ddof=1)
+    theta = _numpy_probe((u - mean) / std, need, is_num.astype(float), 5.0)
+    a, c, s = theta[:-2], theta[-2], theta[-1]
+    expected_w = a / std / s
+    # L-BFGS stops at a gradient tolerance, Newton at machine precision: they agree to 1e-4 of the largest entry.
+    np.testing.assert_allclose(delta_w.numpy(), expected_w, rtol=0, atol=1e-4 * np.abs(expected_w).max())
+    assert delta_b == pytest.approx(c / s - (expected_w * mean).sum(), rel=1e-4)
+
+    def f1(chosen):
+        hits = (chosen & is_num).sum()
+        return 2 * hits / (chosen.sum() + is_num.sum())
+
+    # Standard mode's decision, from its definition: <NUM>'s margin against the best other class's, at the new row
+    # (whose |w| sets the new scale).
+    margin = lambda w, b: (u @ w + b - threshold) / (u_scale @ np.abs(w))  # noqa: E731
+    assert before == pytest.approx(f1(margin(row, bias) > rival), abs=1e-12)
+    assert after == pytest.approx(f1(margin(row + expected_w, bias + delta_b) > rival), abs=1e-12)
+    assert after > before + 0.15  # 0.73 -> 0.94 on these data
+    # More rounds keep the best exact score, never a worse one.
+    delta_w, delta_b, _, more = num_decision_start(*args, penalty=5.0)
+    assert more >= after
+    assert more == pytest.approx(f1(margin(row + delta_w.numpy(), bias + delta_b) > rival), abs=1e-12)
 
 
-def test_fit_value_head_starts_the_num_bias_from_the_decision_loss(model):
+def test_num_decision_start_leaves_the_row_without_both_kinds_of_label():
+    u, u_scale, row, bias, threshold, rival, _ = _synthetic_decisions(m=50)
+    for is_num in (np.zeros(50, dtype=bool), np.ones(50, dtype=bool)):
+        delta_w, delta_b, before, after = num_decision_start(
+            *(torch.tensor(a) for a in (u, u_scale, row)), bias, threshold, torch.tensor(rival), torch.tensor(is_num))
+        assert not delta_w.any() and delta_b == 0.0 and before == after
+
+
+def test_num_decision_start_rejects_bad_input():
+    u, s, row, rival, is_num = torch.ones(4, 3), torch.ones(4, 3), torch.ones(3), torch.ones(4), torch.ones(4) > 0
+    with pytest.raises(ValueError, match="u and u_scale"):
+        num_decision_start(u, torch.ones(4, 2), row, 0.0, 1.0, rival, is_num)
+    with pytest.raises(ValueError, match="u and u_scale"):
+        num_decision_start(u, s, torch.ones(2), 0.0, 1.0, rival, is_num)
+    with pytest.raises(ValueError, match="rival and is_num"):
+        num_decision_start(u, s, row, 0.0, 1.0, torch.ones(3), is_num)
+    with pytest.raises(ValueError, match="penalty"):
+        num_decision_start(u, s, row, 0.0, 1.0, rival, is_num, penalty=0.0)
+
+
+def test_fit_value_head_starts_the_num_row_for_standard_mode(model):
     batch = CausalQwenDataCollator(0)(dataset(16))
+    weight_before = model.action.cls_head.weight.detach().clone()
     bias_before = model.action.cls_head.bias.detach().clone()
 
-    def num_decisions():
-        # The `<NUM>` column from the full forward's distributions, at every labelled position.
+    def num_f1() -> float:
+        # Standard mode through the full forward: the class of largest P_k, at every labelled position.
         with torch.no_grad():
             out = model(batch["input_ids"], numeric_values=batch["numeric_values"],
                         attention_mask=batch["attention_mask"])
         labelled = batch["labels"][:, 1:] != -100
-        return (out.loc_S[:, :-1, NUM][labelled].double().numpy(), out.scale_S[:, :-1, NUM][labelled].double().numpy(),
-                (batch["labels"][:, 1:] == NUM)[labelled].numpy())
+        p = model.action.ovr_probability(out.loc_S[:, :-1].double(), out.scale_S[:, :-1].double())
+        chosen = (p.argmax(-1) == NUM)[labelled]
+        truth = (batch["labels"][:, 1:] == NUM)[labelled]
+        return 2 * (chosen & truth).sum().item() / (chosen.sum() + truth.sum()).item()
 
-    loc, scale, is_num = num_decisions()
-    grid = np.linspace(-10.0, 10.0, 20001)
-    losses = _numpy_num_loss(loc, scale, is_num, 1.0, grid)
-    fit = fit_value_head(model, [batch])
-    assert fit.num_bias_offset == pytest.approx(grid[losses.argmin()], abs=2e-3)
-    assert fit.num_loss_before == pytest.approx(losses[len(grid) // 2], rel=1e-5)
-    assert fit.num_loss_after == pytest.approx(losses.min(), rel=1e-5) and fit.num_loss_after < fit.num_loss_before
-    moved = model.action.cls_head.bias.detach() - bias_before
-    assert moved[NUM].item() == pytest.approx(fit.num_bias_offset, abs=1e-6)
-    assert torch.count_nonzero(moved).item() == 1  # no other class moves
-    after_loc, _, _ = num_decisions()
-    np.testing.assert_allclose(after_loc, loc + fit.num_bias_offset, rtol=1e-5, atol=1e-5)
-    assert model.config.value_head_fit["num_bias_offset"] == fit.num_bias_offset
+    before = num_f1()
+    fit = fit_value_head(model, [batch], num_row_penalty=1.0)  # 144 positions: a lighter penalty than for 8,192
+    assert fit.num_positions == 16 * 9
+    assert fit.num_f1_before == pytest.approx(before, abs=1e-9)
+    assert fit.num_f1_after == pytest.approx(num_f1(), abs=1e-9)
+    assert fit.num_f1_after > fit.num_f1_before
+    weight_moved = (model.action.cls_head.weight.detach() - weight_before).abs().sum(1)
+    bias_moved = model.action.cls_head.bias.detach() - bias_before
+    assert torch.nonzero(weight_moved).flatten().tolist() == [NUM]  # no other class moves
+    assert torch.nonzero(bias_moved).flatten().tolist() == [NUM]
+    assert bias_moved[NUM].item() == pytest.approx(fit.num_bias_offset, rel=1e-5, abs=1e-6)
+    change = (weight_moved[NUM] / weight_before[NUM].abs().sum()).item()
+    assert fit.num_row_change > 0 and change > 0
+    assert model.config.value_head_fit == fit.to_dict()
 
 
-def test_fit_value_head_can_leave_the_num_bias(model):
+def test_fit_value_head_can_leave_the_num_row(model):
+    weight_before = model.action.cls_head.weight.detach().clone()
     bias_before = model.action.cls_head.bias.detach().clone()
-    fit = fit_value_head(model, [CausalQwenDataCollator(0)(dataset(16))], num_bias=False)
+    fit = fit_value_head(model, [CausalQwenDataCollator(0)(dataset(16))], num_row=False)
     assert torch.equal(model.action.cls_head.bias, bias_before)
-    assert fit.num_bias_offset is None and fit.num_loss_before is None
-    with pytest.raises(TypeError, match="num_bias"):
-        fit_value_head(model, [CausalQwenDataCollator(0)(dataset(16))], num_bias=1)
+    assert torch.equal(model.action.cls_head.weight, weight_before)
+    assert fit.num_bias_offset is None and fit.num_f1_before is None and fit.num_positions is None
+    with pytest.raises(TypeError, match="num_row"):
+        fit_value_head(model, [CausalQwenDataCollator(0)(dataset(16))], num_row=1)
+    with pytest.raises(ValueError, match="max_decision_positions"):
+        fit_value_head(model, [CausalQwenDataCollator(0)(dataset(16))], max_decision_positions=0)
+
+
+def test_fit_value_head_caps_the_decision_positions(model):
+    fit = fit_value_head(model, [CausalQwenDataCollator(0)(dataset(16))], max_decision_positions=50)
+    assert fit.num_positions == 50 and fit.positions == 32
 
 
 def test_fit_value_head_reads_only_labelled_positions(model):

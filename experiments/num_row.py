@@ -1,0 +1,148 @@
+"""How far can a start from data of the whole `<NUM>` row (not only its bias) take standard mode's `<NUM>` decisions?
+
+On a fresh `from_qwen` conversion this script reads, at every labelled position of the first training texts,
+loc_U and the `<NUM>` column, and fits a change (Δw, δ) of the `<NUM>` row `W_cls[<NUM>]` and bias, every other
+weight held, in two ways:
+
+- **own loss**: minimise the `<NUM>` class's OvR binary cross-entropy (its term of the training loss) plus a ridge
+  penalty on Δw in standardised features (L-BFGS, float64);
+- **argmax**: logistic regression of "the next token is `<NUM>`" on loc_U and the margin by which `<NUM>` must
+  rise to have the largest P_k, which targets standard mode's decision directly.
+
+It prints precision, recall and F1 of "`<NUM>` has the largest P_k" on the evaluation splits for the bias-only
+start (what `fit_value_head` does) and for both row fits.
+
+    python experiments/num_row.py --num-fit 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import num_decision  # noqa: E402
+import run_experiment as experiment  # noqa: E402
+
+from causal_qwen import CausalQwenTokenizer  # noqa: E402
+from causal_qwen.cauchy import ovr_log_probs  # noqa: E402
+from causal_qwen.data.collator import CausalQwenDataCollator  # noqa: E402
+from causal_qwen.labels import IGNORE_INDEX  # noqa: E402
+
+
+@torch.no_grad()
+def rows(model, tokenizer, examples, batch_size: int) -> dict[str, torch.Tensor]:
+    """At every labelled position: the heads' input loc and scale `[M, C]`, the `<NUM>` column's loc and scale, the
+    loc at which `<NUM>` ties the largest other P_k, and whether the next token is `<NUM>`."""
+    num, action = model.config.num_token_id, model.action
+    collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
+    features = experiment.tokenize_examples(tokenizer, [ex.text for ex in examples])
+    out: dict[str, list[torch.Tensor]] = {"u": [], "u_scale": [], "loc": [], "scale": [], "tie": [], "is_num": []}
+    for batch in experiment.collated(collator, features, batch_size):
+        result = model(batch["input_ids"], numeric_values=batch["numeric_values"],
+                       attention_mask=batch["attention_mask"])
+        labelled = batch["labels"][:, 1:] != IGNORE_INDEX
+        loc_in, scale_in = action.head_inputs(result.loc_U[:, :-1], result.scale_U[:, :-1])
+        loc, scale = result.loc_S[:, :-1], result.scale_S[:, :-1]
+        p = action.ovr_probability(loc, scale)
+        p[..., num] = -1.0
+        best = p.max(-1).values.double().clamp(max=1 - 1e-12)
+        tie = float(action.threshold[num]) + torch.tan((best - 0.5) * math.pi) * scale[..., num].double()
+        for name, value in (("u", loc_in), ("u_scale", scale_in), ("loc", loc[..., num]),
+                            ("scale", scale[..., num]), ("tie", tie)):
+            out[name].append(value[labelled].double())
+        out["is_num"].append((batch["labels"][:, 1:] == num)[labelled])
+    return {name: torch.cat(parts) for name, parts in out.items()}
+
+
+def f1(chosen: torch.Tensor, truth: torch.Tensor) -> str:
+    hits = int((chosen & truth).sum())
+    precision, recall = hits / max(int(chosen.sum()), 1), hits / max(int(truth.sum()), 1)
+    score = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    return f"P {precision:.3f} R {recall:.3f} F1 {score:.3f}"
+
+
+def fit_own_loss(r: dict, row: torch.Tensor, bias: float, threshold: float, penalty: float):
+    mean, std = r["u"].mean(0), r["u"].std(0).clamp(min=1e-6)
+    a = torch.zeros_like(mean, requires_grad=True)
+    c = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    optimizer = torch.optim.LBFGS([a, c], max_iter=200, line_search_fn="strong_wolfe")
+    u_std = (r["u"] - mean) / std
+
+    def closure():
+        optimizer.zero_grad()
+        loc = r["u"] @ row + bias + u_std @ a + c
+        scale = (r["u_scale"] @ (row + a / std).abs()).clamp(min=1e-6)
+        log_p, log_not_p = ovr_log_probs(loc, scale, threshold)
+        loss = -torch.where(r["is_num"], log_p, log_not_p).mean() + penalty * a.square().sum() / len(loc)
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    delta_w = (a / std).detach()
+    return delta_w, float(c - (a / std * mean).sum())
+
+
+def fit_argmax(r: dict, penalty: float):
+    mean, std = r["u"].mean(0), r["u"].std(0).clamp(min=1e-6)
+    margin = r["tie"] - r["loc"]
+    features = torch.cat([(r["u"] - mean) / std, -margin[:, None]], 1)
+    weight = torch.zeros(features.shape[1], dtype=torch.float64, requires_grad=True)
+    c = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    optimizer = torch.optim.LBFGS([weight, c], max_iter=300, line_search_fn="strong_wolfe")
+    target = r["is_num"].double()
+
+    def closure():
+        optimizer.zero_grad()
+        logits = features @ weight + c
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, target)
+        loss = loss + penalty * weight[:-1].square().sum() / len(target)
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    s = float(weight[-1])
+    if s <= 0:
+        raise RuntimeError(f"the margin's coefficient came out {s}: the fit is not a decision of the row")
+    delta_w = (weight[:-1] / std / s).detach()
+    return delta_w, float(c / s - (weight[:-1] / std / s * mean).sum())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--profile", default="cpu", choices=sorted(experiment.PROFILES))
+    parser.add_argument("--num-fit", type=int, default=256)
+    parser.add_argument("--penalty", type=float, action="append")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    profile = experiment.PROFILES[args.profile]
+    data = experiment.load_data(profile, args.seed)
+    tokenizer = CausalQwenTokenizer.from_pretrained(experiment.QWEN_DIR)
+    model = experiment.new_causal(profile, tokenizer, args.seed).eval()
+    num = model.config.num_token_id
+    row = model.action.cls_head.weight[num].detach().double()
+    bias = float(model.action.cls_head.bias[num])
+    threshold = float(model.action.threshold[num])
+    train = rows(model, tokenizer, data["train"][:args.num_fit], profile.eval_batch)
+    splits = {name: rows(model, tokenizer, data[name], profile.eval_batch)
+              for name in ("validation", "test", "real_test")}
+    offset, _, _ = num_decision.num_bias_offset(train["loc"], train["scale"], train["is_num"], threshold)
+    fits = {"bias only": (torch.zeros_like(row), offset)}
+    for penalty in args.penalty or [1.0, 10.0, 100.0]:
+        fits[f"own loss λ={penalty:g}"] = fit_own_loss(train, row, bias, threshold, penalty)
+        fits[f"argmax λ={penalty:g}"] = fit_argmax(train, penalty)
+    print(f"{len(train['loc'])} training positions, {int(train['is_num'].sum())} of them <NUM>", flush=True)
+    for name, (delta_w, delta_b) in fits.items():
+        line = [f"{name:18s} |Δw|/|w| {float(delta_w.norm() / row.norm()):.3f} δ {delta_b:+.2f}"]
+        for split, r in {"train": train, **splits}.items():
+            loc = r["loc"] + r["u"] @ delta_w + delta_b
+            line.append(f"{split} {f1(loc > r['tie'], r['is_num'])}")
+        print(" | ".join(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
