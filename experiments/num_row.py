@@ -7,10 +7,12 @@ weight held, in two ways:
 - **own loss**: minimise the `<NUM>` class's OvR binary cross-entropy (its term of the training loss) plus a ridge
   penalty on Δw in standardised features (L-BFGS, float64);
 - **argmax**: logistic regression of "the next token is `<NUM>`" on loc_U and the margin by which `<NUM>` must
-  rise to have the largest P_k, which targets standard mode's decision directly.
+  rise to have the largest P_k, which targets standard mode's decision directly: the library's start
+  (`causal_qwen.value_head.num_decision_start`).
 
-It prints precision, recall and F1 of "`<NUM>` has the largest P_k" on the evaluation splits for the bias-only
-start (what `fit_value_head` does) and for both row fits.
+It prints precision, recall and F1 of "`<NUM>` has the largest P_k" (at the changed row, whose |w| also changes the
+`<NUM>` scale) on the evaluation splits for the bias-only start (the offset of least `<NUM>` loss, what the start
+did before it fitted the row) and for both row fits.
 
     python experiments/num_row.py --num-fit 256
 """
@@ -32,6 +34,7 @@ from causal_qwen import CausalQwenTokenizer  # noqa: E402
 from causal_qwen.cauchy import ovr_log_probs  # noqa: E402
 from causal_qwen.data.collator import CausalQwenDataCollator  # noqa: E402
 from causal_qwen.labels import IGNORE_INDEX  # noqa: E402
+from causal_qwen.value_head import num_decision_start  # noqa: E402
 
 
 @torch.no_grad()
@@ -87,29 +90,21 @@ def fit_own_loss(r: dict, row: torch.Tensor, bias: float, threshold: float, pena
     return delta_w, float(c - (a / std * mean).sum())
 
 
-def fit_argmax(r: dict, penalty: float):
-    mean, std = r["u"].mean(0), r["u"].std(0).clamp(min=1e-6)
-    margin = r["tie"] - r["loc"]
-    features = torch.cat([(r["u"] - mean) / std, -margin[:, None]], 1)
-    weight = torch.zeros(features.shape[1], dtype=torch.float64, requires_grad=True)
-    c = torch.zeros((), dtype=torch.float64, requires_grad=True)
-    optimizer = torch.optim.LBFGS([weight, c], max_iter=300, line_search_fn="strong_wolfe")
-    target = r["is_num"].double()
+def fit_argmax(r: dict, row: torch.Tensor, bias: float, threshold: float, penalty: float):
+    """The library's start (`num_decision_start`), on the same positions."""
+    rival = (r["tie"] - threshold) / r["scale"]
+    delta_w, delta_b, _, _ = num_decision_start(r["u"], r["u_scale"], row, bias, threshold, rival, r["is_num"],
+                                                penalty=penalty)
+    return delta_w, delta_b
 
-    def closure():
-        optimizer.zero_grad()
-        logits = features @ weight + c
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, target)
-        loss = loss + penalty * weight[:-1].square().sum() / len(target)
-        loss.backward()
-        return loss
 
-    optimizer.step(closure)
-    s = float(weight[-1])
-    if s <= 0:
-        raise RuntimeError(f"the margin's coefficient came out {s}: the fit is not a decision of the row")
-    delta_w = (weight[:-1] / std / s).detach()
-    return delta_w, float(c / s - (weight[:-1] / std / s * mean).sum())
+def chosen(r: dict, row: torch.Tensor, delta_w: torch.Tensor, delta_b: float, threshold: float) -> torch.Tensor:
+    """Standard mode's decision at the changed row, whose |w| sets the `<NUM>` scale: its margin against the best
+    other class's."""
+    rival = (r["tie"] - threshold) / r["scale"]
+    loc = r["loc"] + r["u"] @ delta_w + delta_b
+    scale = (r["u_scale"] @ (row + delta_w).abs()).clamp(min=1e-6)
+    return (loc - threshold) / scale > rival
 
 
 def main() -> None:
@@ -125,7 +120,7 @@ def main() -> None:
     model = experiment.new_causal(profile, tokenizer, args.seed).eval()
     num = model.config.num_token_id
     row = model.action.cls_head.weight[num].detach().double()
-    bias = float(model.action.cls_head.bias[num])
+    bias = float(model.action.cls_head.bias[num].detach())
     threshold = float(model.action.threshold[num])
     train = rows(model, tokenizer, data["train"][:args.num_fit], profile.eval_batch)
     splits = {name: rows(model, tokenizer, data[name], profile.eval_batch)
@@ -134,13 +129,12 @@ def main() -> None:
     fits = {"bias only": (torch.zeros_like(row), offset)}
     for penalty in args.penalty or [1.0, 10.0, 100.0]:
         fits[f"own loss λ={penalty:g}"] = fit_own_loss(train, row, bias, threshold, penalty)
-        fits[f"argmax λ={penalty:g}"] = fit_argmax(train, penalty)
+        fits[f"argmax λ={penalty:g}"] = fit_argmax(train, row, bias, threshold, penalty)
     print(f"{len(train['loc'])} training positions, {int(train['is_num'].sum())} of them <NUM>", flush=True)
     for name, (delta_w, delta_b) in fits.items():
         line = [f"{name:18s} |Δw|/|w| {float(delta_w.norm() / row.norm()):.3f} δ {delta_b:+.2f}"]
         for split, r in {"train": train, **splits}.items():
-            loc = r["loc"] + r["u"] @ delta_w + delta_b
-            line.append(f"{split} {f1(loc > r['tie'], r['is_num'])}")
+            line.append(f"{split} {f1(chosen(r, row, delta_w, delta_b, threshold), r['is_num'])}")
         print(" | ".join(line), flush=True)
 
 
