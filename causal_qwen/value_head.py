@@ -33,7 +33,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .cauchy import linear_by_blocks
 from .checks import check_positive_finite
 from .labels import IGNORE_INDEX, next_token_targets
 from .loss import transform_values
@@ -91,11 +90,9 @@ class _StartRows:
 def _rival_margin(action, loc: torch.Tensor, scale: torch.Tensor, num_id: int, chunk: int = 64) -> torch.Tensor:
     """The largest standardised margin over every class but `<NUM>`, `[M]`, a chunk of positions at a time (the
     `[M, V]` scores are never held whole)."""
-    weight, bias = action.cls_head.weight, action.cls_head.bias
     rivals = []
     for lo, sc in zip(loc.split(chunk), scale.split(chunk), strict=True):
-        loc_s, scale_s = linear_by_blocks(lo.to(weight.dtype), sc.to(weight.dtype), weight, bias)
-        margin = action.margin(loc_s, scale_s.clamp(min=action.scale_min))
+        margin = action.margin(*action.classify(lo, sc))
         margin[:, num_id] = -math.inf
         rivals.append(margin.max(-1).values.double().cpu())
     return torch.cat(rivals)
@@ -353,12 +350,12 @@ def fit_value_head(
     if num_row:
         num_id = model.config.num_token_id
         row = action.cls_head.weight[num_id]
+        row64 = row.double().cpu()
         delta_w, delta_b, f1_before, f1_after = num_decision_start(
-            rows.u, rows.u_scale, row.double().cpu(), float(action.cls_head.bias[num_id]),
-            float(action.threshold[num_id]), rows.rival, rows.is_num, penalty=num_row_penalty,
-            scale_min=action.scale_min)
+            rows.u, rows.u_scale, row64, float(action.cls_head.bias[num_id]), float(action.threshold[num_id]),
+            rows.rival, rows.is_num, penalty=num_row_penalty, scale_min=action.scale_min)
         decision = {"num_positions": int(rows.u.shape[0]),
-                    "num_row_change": float(delta_w.norm() / row.double().norm().clamp(min=1e-30).cpu()),
+                    "num_row_change": float(delta_w.norm() / row64.norm().clamp(min=1e-30)),
                     "num_bias_offset": delta_b, "num_f1_before": f1_before, "num_f1_after": f1_after}
         row += delta_w.to(row)
         action.cls_head.bias[num_id] += delta_b

@@ -195,8 +195,8 @@ def test_fit_value_head_starts_the_num_row_for_standard_mode(model):
     assert torch.nonzero(weight_moved).flatten().tolist() == [NUM]  # no other class moves
     assert torch.nonzero(bias_moved).flatten().tolist() == [NUM]
     assert bias_moved[NUM].item() == pytest.approx(fit.num_bias_offset, rel=1e-5, abs=1e-6)
-    change = (weight_moved[NUM] / weight_before[NUM].abs().sum()).item()
-    assert fit.num_row_change > 0 and change > 0
+    change = ((model.action.cls_head.weight[NUM] - weight_before[NUM]).norm() / weight_before[NUM].norm()).item()
+    assert fit.num_row_change == pytest.approx(change, rel=1e-5) and change > 0
     assert model.config.value_head_fit == fit.to_dict()
 
 
