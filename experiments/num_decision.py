@@ -74,15 +74,16 @@ def num_bias_offset(
 
 
 @torch.no_grad()
-def num_columns(model, tokenizer, examples, batch_size: int) -> dict[str, torch.Tensor]:
+def num_columns(model, tokenizer, examples, batch_size: int, inputs: bool = False) -> dict[str, torch.Tensor]:
     """At every labelled position: the `<NUM>` column's (loc_S, scale_S), the loc at which `<NUM>`'s P_k would equal
-    the largest other P_k, and whether the next token is `<NUM>`."""
+    the largest other P_k, and whether the next token is `<NUM>`; with `inputs`, also the heads' Cauchy input
+    `u`, `u_scale` `[M, C]`."""
     num, action = model.config.num_token_id, model.action
+    threshold = float(action.threshold[num])
     collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
     features = experiment.tokenize_examples(tokenizer, [ex.text for ex in examples])
-    out: dict[str, list[torch.Tensor]] = {"loc": [], "scale": [], "tie": [], "is_num": []}
-    for k in range(0, len(features), batch_size):
-        batch = collator(features[k:k + batch_size])
+    out: dict[str, list[torch.Tensor]] = {"loc": [], "scale": [], "tie": [], "is_num": [], "u": [], "u_scale": []}
+    for batch in experiment.collated(collator, features, batch_size):
         result = model(batch["input_ids"], numeric_values=batch["numeric_values"],
                        attention_mask=batch["attention_mask"])
         labelled = batch["labels"][:, 1:] != IGNORE_INDEX
@@ -90,19 +91,21 @@ def num_columns(model, tokenizer, examples, batch_size: int) -> dict[str, torch.
         p = action.ovr_probability(loc, scale)
         p[..., num] = -1.0
         best = p.max(-1).values.double().clamp(max=1 - 1e-12)
-        threshold = float(action.threshold[num])
         # P = 1/2 + atan((loc − C)/scale)/π, solved for loc at P = best.
         tie = threshold + torch.tan((best - 0.5) * math.pi) * scale[..., num].double()
         out["loc"].append(loc[..., num][labelled].double())
         out["scale"].append(scale[..., num][labelled].double())
         out["tie"].append(tie[labelled])
         out["is_num"].append((batch["labels"][:, 1:] == num)[labelled])
-    return {name: torch.cat(parts) for name, parts in out.items()}
+        if inputs:
+            loc_in, scale_in = action.head_inputs(result.loc_U[:, :-1], result.scale_U[:, :-1])
+            out["u"].append(loc_in[labelled].double())
+            out["u_scale"].append(scale_in[labelled].double())
+    return {name: torch.cat(parts) for name, parts in out.items() if parts}
 
 
-def scores(columns: dict[str, torch.Tensor], offset: float) -> tuple[float, float, float]:
-    chosen = columns["loc"] + offset > columns["tie"]
-    truth = columns["is_num"]
+def scores(chosen: torch.Tensor, truth: torch.Tensor) -> tuple[float, float, float]:
+    """Precision, recall and F1 of "`<NUM>` is chosen" against "the next token is `<NUM>`"."""
     hits = int((chosen & truth).sum())
     precision = hits / max(int(chosen.sum()), 1)
     recall = hits / max(int(truth.sum()), 1)
@@ -110,9 +113,14 @@ def scores(columns: dict[str, torch.Tensor], offset: float) -> tuple[float, floa
     return precision, recall, f1
 
 
-def decisions(columns: dict[str, torch.Tensor], offset: float) -> str:
-    precision, recall, f1 = scores(columns, offset)
+def decisions(chosen: torch.Tensor, truth: torch.Tensor) -> str:
+    precision, recall, f1 = scores(chosen, truth)
     return f"P {precision:.3f} R {recall:.3f} F1 {f1:.3f}"
+
+
+def at_offset(columns: dict[str, torch.Tensor], offset: float) -> torch.Tensor:
+    """Standard mode's `<NUM>` decisions with `offset` added to the `<NUM>` bias."""
+    return columns["loc"] + offset > columns["tie"]
 
 
 def main() -> None:
@@ -134,13 +142,15 @@ def main() -> None:
     threshold = float(model.action.threshold[model.config.num_token_id])
     offset, before, after = num_bias_offset(train["loc"], train["scale"], train["is_num"], threshold)
     grid = [k / 20 for k in range(-200, 201)]
-    best_f1 = max(grid, key=lambda d: scores(train, d)[2])
+    best_f1 = max(grid, key=lambda d: scores(at_offset(train, d), train["is_num"])[2])
     print(f"{args.model}: <NUM> loss on {len(train['loc'])} training positions {before:.4f} at 0, {after:.4f} at the "
           f"offset {offset:+.3f}; the offset of best F1 there is {best_f1:+.2f}", flush=True)
     for split in ("train", "validation", "test", "real_test"):
         columns = train if split == "train" else num_columns(model, tokenizer, data[split], profile.eval_batch)
-        print(f"  {split:10s} at 0: {decisions(columns, 0.0)} | loss offset {offset:+.2f}: "
-              f"{decisions(columns, offset)} | F1 offset {best_f1:+.2f}: {decisions(columns, best_f1)}", flush=True)
+        truth = columns["is_num"]
+        print(f"  {split:10s} at 0: {decisions(at_offset(columns, 0.0), truth)} | loss offset {offset:+.2f}: "
+              f"{decisions(at_offset(columns, offset), truth)} | F1 offset {best_f1:+.2f}: "
+              f"{decisions(at_offset(columns, best_f1), truth)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ did before it fitted the row) and for both row fits.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -32,41 +31,7 @@ import run_experiment as experiment  # noqa: E402
 
 from causal_qwen import CausalQwenTokenizer  # noqa: E402
 from causal_qwen.cauchy import ovr_log_probs  # noqa: E402
-from causal_qwen.data.collator import CausalQwenDataCollator  # noqa: E402
-from causal_qwen.labels import IGNORE_INDEX  # noqa: E402
 from causal_qwen.value_head import num_decision_start  # noqa: E402
-
-
-@torch.no_grad()
-def rows(model, tokenizer, examples, batch_size: int) -> dict[str, torch.Tensor]:
-    """At every labelled position: the heads' input loc and scale `[M, C]`, the `<NUM>` column's loc and scale, the
-    loc at which `<NUM>` ties the largest other P_k, and whether the next token is `<NUM>`."""
-    num, action = model.config.num_token_id, model.action
-    collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
-    features = experiment.tokenize_examples(tokenizer, [ex.text for ex in examples])
-    out: dict[str, list[torch.Tensor]] = {"u": [], "u_scale": [], "loc": [], "scale": [], "tie": [], "is_num": []}
-    for batch in experiment.collated(collator, features, batch_size):
-        result = model(batch["input_ids"], numeric_values=batch["numeric_values"],
-                       attention_mask=batch["attention_mask"])
-        labelled = batch["labels"][:, 1:] != IGNORE_INDEX
-        loc_in, scale_in = action.head_inputs(result.loc_U[:, :-1], result.scale_U[:, :-1])
-        loc, scale = result.loc_S[:, :-1], result.scale_S[:, :-1]
-        p = action.ovr_probability(loc, scale)
-        p[..., num] = -1.0
-        best = p.max(-1).values.double().clamp(max=1 - 1e-12)
-        tie = float(action.threshold[num]) + torch.tan((best - 0.5) * math.pi) * scale[..., num].double()
-        for name, value in (("u", loc_in), ("u_scale", scale_in), ("loc", loc[..., num]),
-                            ("scale", scale[..., num]), ("tie", tie)):
-            out[name].append(value[labelled].double())
-        out["is_num"].append((batch["labels"][:, 1:] == num)[labelled])
-    return {name: torch.cat(parts) for name, parts in out.items()}
-
-
-def f1(chosen: torch.Tensor, truth: torch.Tensor) -> str:
-    hits = int((chosen & truth).sum())
-    precision, recall = hits / max(int(chosen.sum()), 1), hits / max(int(truth.sum()), 1)
-    score = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-    return f"P {precision:.3f} R {recall:.3f} F1 {score:.3f}"
 
 
 def fit_own_loss(r: dict, row: torch.Tensor, bias: float, threshold: float, penalty: float):
@@ -122,8 +87,8 @@ def main() -> None:
     row = model.action.cls_head.weight[num].detach().double()
     bias = float(model.action.cls_head.bias[num].detach())
     threshold = float(model.action.threshold[num])
-    train = rows(model, tokenizer, data["train"][:args.num_fit], profile.eval_batch)
-    splits = {name: rows(model, tokenizer, data[name], profile.eval_batch)
+    train = num_decision.num_columns(model, tokenizer, data["train"][:args.num_fit], profile.eval_batch, inputs=True)
+    splits = {name: num_decision.num_columns(model, tokenizer, data[name], profile.eval_batch, inputs=True)
               for name in ("validation", "test", "real_test")}
     offset, _, _ = num_decision.num_bias_offset(train["loc"], train["scale"], train["is_num"], threshold)
     fits = {"bias only": (torch.zeros_like(row), offset)}
@@ -134,7 +99,7 @@ def main() -> None:
     for name, (delta_w, delta_b) in fits.items():
         line = [f"{name:18s} |Δw|/|w| {float(delta_w.norm() / row.norm()):.3f} δ {delta_b:+.2f}"]
         for split, r in {"train": train, **splits}.items():
-            line.append(f"{split} {f1(chosen(r, row, delta_w, delta_b, threshold), r['is_num'])}")
+            line.append(f"{split} {num_decision.decisions(chosen(r, row, delta_w, delta_b, threshold), r['is_num'])}")
         print(" | ".join(line), flush=True)
 
 
