@@ -47,6 +47,10 @@ def main(out_file: str, per_device_batch: int, uneven: bool = False) -> None:
     trainer.train()
     if trainer.is_world_process_zero():
         torch.save({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}, out_file)
+    if torch.distributed.is_initialized():
+        # Leaving gloo's threads to the interpreter's exit can abort a rank ("terminate called without an active
+        # exception") after training has finished.
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
