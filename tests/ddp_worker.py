@@ -11,6 +11,7 @@ import sys
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Trainer, TrainingArguments
+from worker_exit import exit_worker
 
 from causal_qwen import CausalQwenForCausalLM
 from causal_qwen.data.collator import CausalQwenDataCollator
@@ -47,11 +48,8 @@ def main(out_file: str, per_device_batch: int, uneven: bool = False) -> None:
     trainer.train()
     if trainer.is_world_process_zero():
         torch.save({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}, out_file)
-    if torch.distributed.is_initialized():
-        # Leaving gloo's threads to the interpreter's exit can abort a rank ("terminate called without an active
-        # exception") after training has finished.
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), uneven="--uneven" in sys.argv[3:])
+    exit_worker()

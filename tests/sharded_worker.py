@@ -25,11 +25,11 @@ import argparse
 import json
 import os
 import resource
-import sys
 from pathlib import Path
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, TrainingArguments
+from worker_exit import exit_worker
 
 from causal_qwen import CausalQwenForCausalLM
 from causal_qwen.data.collator import CausalQwenDataCollator
@@ -237,4 +237,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
+    exit_worker()
