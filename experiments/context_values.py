@@ -21,12 +21,14 @@ loc_U is read once (teacher forced). Both read-outs fit on every `<NUM>` positio
 number, with the numbers before it as its context) over the same principal components of loc_U, and are scored
 on the targets of the test splits, per template, as `run_experiment.py` scores them.
 
-    python experiments/context_values.py            # about 8 minutes on 2 CPU cores
+    python experiments/context_values.py                   # about 8 minutes on 2 CPU cores
+    python experiments/context_values.py --n-train 1280    # four times the corpus texts, about 14 minutes
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -205,9 +207,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=0, help="the data's seed")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="the read-outs' seeds")
+    parser.add_argument("--n-train", type=int, help="corpus training texts (the profile's by default)")
     parser.add_argument("--rows", type=Path, help="a file to keep the loc_U rows in (read once, reused after)")
     args = parser.parse_args()
     profile = experiment.PROFILES[args.profile]
+    if args.n_train is not None:
+        profile = dataclasses.replace(profile, n_train=args.n_train)
     t0 = time.perf_counter()
     data = experiment.load_data(profile, args.seed)
     tokenizer = CausalQwenTokenizer.from_pretrained(experiment.QWEN_DIR)
