@@ -28,6 +28,7 @@ import resource
 from pathlib import Path
 
 import torch
+from ddp_worker import NUM, dataset
 from transformers import Qwen2Config, Qwen2ForCausalLM, TrainingArguments
 from worker_exit import exit_worker
 
@@ -35,7 +36,6 @@ from causal_qwen import CausalQwenForCausalLM
 from causal_qwen.data.collator import CausalQwenDataCollator
 from causal_qwen.training import CausalQwenTrainer
 
-NUM = 120
 STEPS = 3
 
 FSDP2_CONFIG = {
@@ -68,19 +68,6 @@ DEEPSPEED_CONFIGS = {
         "stage3_gather_16bit_weights_on_model_save": True,
     }},
 }
-
-
-def dataset(n: int = 16, length: int = 10, uneven: bool = False) -> list[dict]:
-    g = torch.Generator().manual_seed(1)
-    examples = []
-    for i in range(n):
-        ids = torch.randint(1, 100, (length,), generator=g)
-        values = torch.zeros(length, dtype=torch.float64)
-        if not (uneven and i % 4 >= 2):
-            ids[3] = ids[7] = NUM
-            values[3], values[7] = torch.rand(2, generator=g, dtype=torch.float64) * 100
-        examples.append({"input_ids": ids.tolist(), "numeric_values": values.tolist()})
-    return examples
 
 
 def build_model(regression_noise: float = 1.0) -> CausalQwenForCausalLM:
