@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -55,8 +54,7 @@ class Rows:
     context_u: torch.Tensor  # [N, J, C] loc_U at the earlier <NUM> tokens (zeros where there are fewer than J)
     context_y: torch.Tensor  # [N, J]
     context_mask: torch.Tensor  # [N, J]
-    true: list[float]
-    templates: list[str]
+    examples: list  # the text of each row
 
 
 @torch.no_grad()
@@ -64,7 +62,7 @@ def read_rows(model, tokenizer, examples, batch_size: int, every_number: bool, m
     """loc_U at each predicted number (every `<NUM>`, or the target only) and at the numbers before it."""
     collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
     transform = model.config.value_transform
-    u, y, cu, cy, cm, true, templates = [], [], [], [], [], [], []
+    u, y, cu, cy, cm, texts = [], [], [], [], [], []
     for k in range(0, len(examples), batch_size):
         chunk = examples[k:k + batch_size]
         batch = collator(experiment.tokenize_examples(tokenizer, [ex.text for ex in chunk]))
@@ -93,9 +91,8 @@ def read_rows(model, tokenizer, examples, batch_size: int, every_number: bool, m
                 cu.append(c)
                 cy.append(v)
                 cm.append(m)
-                true.append(float(batch["numeric_values"][b, where[i]]))
-                templates.append(ex.template)
-    return Rows(torch.stack(u), torch.stack(y), torch.stack(cu), torch.stack(cy), torch.stack(cm), true, templates)
+                texts.append(ex)
+    return Rows(torch.stack(u), torch.stack(y), torch.stack(cu), torch.stack(cy), torch.stack(cm), texts)
 
 
 class _Readout(torch.nn.Module):
@@ -188,15 +185,8 @@ def fit_readout(kind: str, train: Rows, validation: Rows, projection, rank: int,
 
 
 def scored(predicted: torch.Tensor, rows: Rows, transform: str) -> dict[str, float]:
-    """Median relative error of the values per template, and their mean, as `run_experiment.per_template`."""
-    values = untransform_values(predicted, transform).tolist()
-    errors: dict[str, list[float]] = {}
-    for p, t, name in zip(values, rows.true, rows.templates, strict=True):
-        errors.setdefault(name, []).append(abs(p - t) / max(abs(t), 1e-12))
-    table = {name: statistics.median(v) for name, v in sorted(errors.items())}
-    table["mean over templates"] = statistics.mean(table.values())
-    table["all"] = statistics.median([e for v in errors.values() for e in v])
-    return table
+    """Median relative error of the targets per template, and their mean (rows of the targets only)."""
+    return experiment.per_template(untransform_values(predicted, transform).tolist(), rows.examples)
 
 
 def main() -> None:
@@ -218,8 +208,11 @@ def main() -> None:
     tokenizer = CausalQwenTokenizer.from_pretrained(experiment.QWEN_DIR)
     model = experiment.new_causal(profile, tokenizer, args.seed).eval()
     transform = model.config.value_transform
+    key = {"profile": args.profile, "n_train": profile.n_train, "seed": args.seed}
     if args.rows is not None and args.rows.exists():
         saved = torch.load(args.rows, weights_only=False)
+        if saved.get("key") != key:
+            raise ValueError(f"--rows {args.rows} holds the rows of {saved.get('key')}, not of {key}")
         train, validation = Rows(**saved["train"]), Rows(**saved["validation"])
         tests = {name: Rows(**fields) for name, fields in saved["tests"].items()}
     else:
@@ -228,7 +221,7 @@ def main() -> None:
         tests = {name: read_rows(model, tokenizer, data[name], profile.eval_batch, every_number=False)
                  for name in ("test", "real_test", "extrapolation")}
         if args.rows is not None:
-            torch.save({"train": vars(train), "validation": vars(validation),
+            torch.save({"key": key, "train": vars(train), "validation": vars(validation),
                         "tests": {name: vars(rows) for name, rows in tests.items()}}, args.rows)
     print(f"loc_U read: {len(train.y)} training rows, {len(validation.y)} validation rows, "
           f"{ {k: len(v.y) for k, v in tests.items()} } targets; {time.perf_counter() - t0:.0f}s", flush=True)
