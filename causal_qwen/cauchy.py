@@ -24,6 +24,7 @@ __all__ = [
     "ovr_log_prob_gradients",
     "nll",
     "quantile",
+    "central_interval",
     "sample",
     "from_uniform",
     "kl_divergence",
@@ -209,12 +210,42 @@ def nll(value: torch.Tensor, loc: torch.Tensor, scale: torch.Tensor) -> torch.Te
 
 
 def quantile(loc: torch.Tensor, scale: torch.Tensor, p: float | torch.Tensor) -> torch.Tensor:
-    """Q(p) = loc + scale·tan(π(p − 1/2)), for p in (0, 1)."""
+    """Q(p) = loc + scale·tan(π(p − 1/2)), for p in (0, 1), computed in the dtype of `loc`.
+
+    In the tails the tangent is written as ±1/tan(π·tail) with tail = min(p, 1 − p), so that a p close to 0 or 1
+    keeps its digits (tan near π/2 loses them all, and flips sign once π(p − 1/2) rounds past π/2).
+    """
     if not isinstance(p, torch.Tensor):
         if not 0.0 < p < 1.0:
             raise ValueError(f"p must lie in (0, 1), got {p}")
         p = torch.tensor(p, dtype=loc.dtype, device=loc.device)
-    return loc + scale * torch.tan(math.pi * (p - 0.5))
+    return loc + scale * _standard_quantile(p.to(loc.dtype))
+
+
+def _standard_quantile(p: torch.Tensor) -> torch.Tensor:
+    """tan(π(p − 1/2)), as −1/tan(πp) below 1/4 and 1/tan(π(1 − p)) above 3/4 (1 − p is exact there)."""
+    tail = torch.minimum(p, 1.0 - p)
+    in_tail = tail < 0.25
+    cot = 1.0 / torch.tan(math.pi * torch.where(in_tail, tail, 0.25))
+    centre = torch.tan(math.pi * (torch.where(in_tail, 0.5, p) - 0.5))
+    return torch.where(in_tail, torch.where(p < 0.5, -cot, cot), centre)
+
+
+def central_interval(
+    loc: torch.Tensor, scale: torch.Tensor, coverage: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(lower, upper)` of the central `coverage` interval of Cauchy(loc, scale), in the dtype of `loc`.
+
+    The half-width is scale/tan(π(1 − coverage)/2), from the tail probability itself: finite and ordered for every
+    coverage in (0, 1), 1 − 1e-12 included (through the quantiles at 1 − tail, the tail would round away).
+    """
+    if isinstance(coverage, bool) or not isinstance(coverage, (int, float)):
+        raise TypeError(f"coverage must be a number in (0, 1), got {type(coverage).__name__}")
+    if not 0.0 < coverage < 1.0:
+        raise ValueError(f"coverage must lie in (0, 1), got {coverage}")
+    tail = torch.tensor((1.0 - coverage) / 2.0, dtype=loc.dtype, device=loc.device)
+    half_width = scale / torch.tan(math.pi * tail)
+    return loc - half_width, loc + half_width
 
 
 def sample(
@@ -249,10 +280,21 @@ def kl_divergence(
 ) -> torch.Tensor:
     """KL(Cauchy(loc_p, scale_p) ‖ Cauchy(loc_q, scale_q)) = log(((γp + γq)² + (μp − μq)²) / (4 γp γq)).
 
-    The closed form is symmetric in its two arguments and zero exactly when they are equal.
+    The closed form is symmetric in its two arguments and zero exactly when they are equal. It is evaluated as
+    log(1 + a² + b²) with a = (γp − γq)/(2√γp√γq) and b = (μp − μq)/(2√γp√γq) (since (γp + γq)² − 4γpγq =
+    (γp − γq)²): no scale is squared, so scales down to the smallest subnormal neither underflow nor give 0/0, the
+    value near 0 keeps its relative precision, and a large a or b goes through its logarithm instead of its square.
     """
-    num = (scale_p + scale_q).square() + (loc_p - loc_q).square()
-    return torch.log(num) - torch.log(4.0 * scale_p * scale_q)
+    root = torch.sqrt(scale_p) * torch.sqrt(scale_q)
+    a = (scale_p - scale_q) / root / 2.0
+    b = (loc_p - loc_q) / root / 2.0
+    big, small = torch.maximum(a.abs(), b.abs()), torch.minimum(a.abs(), b.abs())
+    # Each branch gets a harmless argument where it is not taken, so that neither gives an inf or NaN gradient.
+    is_big = big > 1.0
+    near = torch.log1p(torch.where(is_big, 0.0, a).square() + torch.where(is_big, 0.0, b).square())
+    big_safe = torch.where(is_big, big, 1.0)
+    far = 2.0 * torch.log(big_safe) + torch.log1p(big_safe.reciprocal().square() + (small / big_safe).square())
+    return torch.where(is_big, far, near)
 
 
 def symlog(value: torch.Tensor) -> torch.Tensor:

@@ -102,3 +102,44 @@ def test_linear_by_blocks_equals_linear(block_rows, with_bias):
     for a, b in zip(got, cauchy.linear(loc, scale, weight, bias), strict=True):
         assert a.shape == b.shape == (3, 2, 100)
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("loc_p,scale_p,loc_q,scale_q", [
+    (0.0, 1e-30, 0.0, 1e-30), (0.0, 1e-30, 0.0, 3e-30), (2e-29, 1e-30, 0.0, 1e-30), (0.0, 1e-30, 0.5, 1.0),
+    (0.0, 1.0, 1e-4, 1.0), (0.0, 1.0, 0.0, 1.0 + 1e-4), (3.0, 1e-20, -4.0, 1e20), (0.3, 1.2, -0.4, 0.7),
+])
+def test_kl_divergence_is_accurate_at_extreme_scales_in_fp32(loc_p, scale_p, loc_q, scale_q):
+    # The closed form in float64, where neither (γp + γq)² nor 4γpγq leaves the range for these inputs, taken on
+    # the fp32-rounded arguments; its difference form log1p(((γp − γq)² + Δμ²)/(4γpγq)) keeps the digits near 0.
+    args = [torch.tensor(v, dtype=torch.float32, requires_grad=True) for v in (loc_p, scale_p, loc_q, scale_q)]
+    mp, gp, mq, gq = (a.item() for a in args)
+    expected = math.log1p(((gp - gq) ** 2 + (mp - mq) ** 2) / (4 * gp * gq))
+    value = cauchy.kl_divergence(*args)
+    assert value.item() == pytest.approx(expected, rel=1e-5, abs=1e-30)
+    value.backward()
+    assert all(torch.isfinite(a.grad) for a in args)
+    # ∂KL/∂μp = 2Δμ / ((γp + γq)² + Δμ²), ∂KL/∂γp = 2(γp + γq)/((γp + γq)² + Δμ²) − 1/γp, in float64.
+    denominator = (gp + gq) ** 2 + (mp - mq) ** 2
+    assert args[0].grad.item() == pytest.approx(2 * (mp - mq) / denominator, rel=1e-4, abs=1e-12)
+    assert args[1].grad.item() == pytest.approx(2 * (gp + gq) / denominator - 1 / gp, rel=1e-4, abs=1e-6 / gp)
+
+
+def test_central_interval_stays_ordered_and_accurate_up_to_coverage_one():
+    loc, scale = torch.tensor([1.0], dtype=torch.float64), torch.tensor([2.0], dtype=torch.float64)
+    for coverage in (0.5, 0.9, 0.99, 0.999, 1 - 1e-8, 1 - 1e-12, 1 - 2**-53):
+        lower, upper = cauchy.central_interval(loc, scale, coverage)
+        half = 2.0 / math.tan(math.pi * (1 - coverage) / 2)  # scale · cot(π · tail)
+        assert lower.item() < 1.0 < upper.item()
+        assert upper.item() - 1.0 == pytest.approx(half, rel=1e-12) and 1.0 - lower.item() == pytest.approx(half)
+    for bad, kind in ((1.0, ValueError), (0.0, ValueError), (float("nan"), ValueError), ("0.9", TypeError)):
+        with pytest.raises(kind, match="coverage"):
+            cauchy.central_interval(loc, scale, bad)
+
+
+def test_quantile_keeps_its_digits_in_the_tails():
+    loc, scale = torch.zeros((), dtype=torch.float32), torch.ones((), dtype=torch.float32)
+    for p in (1e-9, 1e-6, 0.1, 0.3, 0.5, 0.7, 0.9, 1 - 1e-6):
+        q = cauchy.quantile(loc, scale, p).item()
+        p = float(torch.tensor(p, dtype=torch.float32))  # the p the fp32 quantile sees
+        expected = -1 / math.tan(math.pi * p) if p < 0.5 else 1 / math.tan(math.pi * (1 - p)) if p > 0.5 else 0.0
+        assert q == pytest.approx(expected, rel=1e-5, abs=1e-7)
