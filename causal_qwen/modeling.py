@@ -25,7 +25,7 @@ from transformers.processing_utils import Unpack
 from transformers.utils import ModelOutput, TransformersKwargs, can_return_tuple
 
 from . import cauchy
-from .cauchy import kl_divergence, quantile, symlog
+from .cauchy import kl_divergence, symlog
 from .checks import check_forward_inputs, check_forward_replacement
 from .configuration import CausalQwenConfig
 from .conversion import convert_qwen
@@ -363,12 +363,15 @@ class CausalQwenAction(nn.Module):
         if scale is None:
             return nn.functional.linear(loc, weight, self.cls_head.bias), None
         scale = scale.to(weight.dtype)
-        if torch.is_grad_enabled() and weight.requires_grad:
-            loc_s, scale_s = cauchy.linear(loc, scale, weight, self.cls_head.bias)
+        bias = self.cls_head.bias
+        # Autograd whenever anything upstream needs a gradient, the head frozen or not (a loss on the logits must
+        # reach the abduction network); the block path below runs without autograd and serves inference only.
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (loc, scale, weight, bias)):
+            loc_s, scale_s = cauchy.linear(loc, scale, weight, bias)
         else:
             # |W_cls| block by block, never cached: a cache keyed on the weight's version counter went stale after
             # writes through `.data` (EMA, weight averaging), which do not bump it (docs/design.md §9).
-            loc_s, scale_s = cauchy.linear_by_blocks(loc, scale, weight, self.cls_head.bias)
+            loc_s, scale_s = cauchy.linear_by_blocks(loc, scale, weight, bias)
         return loc_s, scale_s.clamp(min=self.scale_min)
 
     def clear_cache(self) -> None:
@@ -683,16 +686,18 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Median and central `coverage` interval of the predicted value, in value space.
 
-        Quantiles commute with the monotone `value_transform`, so these are exact.
+        Quantiles commute with the monotone `value_transform`, so these are exact. They are computed in float64
+        whatever the dtype of `loc_y` (a bf16 quantile is off by a factor of two at 99%), and returned in float64:
+        a bound past float64's range is ±inf, and every coverage in (0, 1) gives lower ≤ median ≤ upper.
 
         Returns:
-            `(median, lower, upper)`, each of the shape of `loc_y`.
+            `(median, lower, upper)`, float64 tensors of the shape of `loc_y`.
         """
-        if not 0.0 < coverage < 1.0:
-            raise ValueError(f"coverage must lie in (0, 1), got {coverage}")
-        tail = (1.0 - coverage) / 2.0
-        bounds = (loc_y, quantile(loc_y, scale_y, tail), quantile(loc_y, scale_y, 1.0 - tail))
-        return tuple(self.to_value(b) for b in bounds)
+        # MPS has no float64: such tensors are moved to the CPU for the interval.
+        device = loc_y.device if loc_y.device.type != "mps" else torch.device("cpu")
+        loc, scale = loc_y.to(device, torch.float64), scale_y.to(device, torch.float64)
+        lower, upper = cauchy.central_interval(loc, scale, coverage)
+        return tuple(self.to_value(b) for b in (loc, lower, upper))
 
     def to_value(self, y: torch.Tensor) -> torch.Tensor:
         """Map a point of the regression head's space back to a value (the inverse of `value_transform`)."""

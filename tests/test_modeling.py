@@ -783,3 +783,57 @@ def test_forward_exports(tiny_qwen):
     # The eager model still checks values; only tracing skips them.
     with pytest.raises(ValueError, match="numeric_values must be finite"):
         model(**{**inputs, "numeric_values": torch.full(inputs["input_ids"].shape, math.inf, dtype=torch.float64)})
+
+
+def test_logits_carry_the_gradient_of_the_layers_before_a_frozen_head(tiny_qwen):
+    model = build(tiny_qwen)
+    randomize_heads(model)
+    model.train().enable_abduction_finetuning(0)
+    assert not model.action.cls_head.weight.requires_grad
+    ids = torch.randint(0, 100, (2, 5))
+    out = model(ids, output_distributions=True)
+    assert out.logits.requires_grad and out.scale_S.requires_grad
+    # A loss on the logits alone: Σ R·loc_S, with loc_S = W_cls·(W_loc z + b_loc) + b_cls, so ∂/∂b_loc = Σ_pos R·W_cls.
+    weights = torch.randn(out.logits.shape, generator=torch.Generator().manual_seed(0))
+    (out.logits * weights).sum().backward()
+    expected = (weights.double().sum((0, 1)) @ model.action.cls_head.weight.double()).float()
+    torch.testing.assert_close(model.abduction.loc_net.bias.grad, expected, rtol=1e-4, atol=1e-5)
+    # Inference still skips autograd.
+    with torch.no_grad():
+        assert not model(ids, output_distributions=True).logits.requires_grad
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_value_interval_is_computed_in_float64_whatever_the_dtype(tiny_qwen, dtype):
+    model = build(tiny_qwen, value_transform="symlog")
+    loc_y, scale_y = torch.tensor([2.0, 5.0], dtype=dtype), torch.tensor([0.25, 0.5], dtype=dtype)
+    for coverage in (0.9, 0.99, 0.999, 1 - 1e-8, 1 - 1e-12):
+        median, low, high = model.value_interval(loc_y, scale_y, coverage=coverage)
+        assert median.dtype == low.dtype == high.dtype == torch.float64
+        for i, (loc, scale) in enumerate(zip(loc_y.tolist(), scale_y.tolist(), strict=True)):
+            half = scale / math.tan(math.pi * (1 - coverage) / 2)  # in float64 from the stored (rounded) inputs
+            for got, want in ((median[i], loc), (low[i], loc - half), (high[i], loc + half)):
+                want = math.copysign(math.expm1(abs(want)), want) if abs(want) < 700 else math.copysign(math.inf, want)
+                assert got.item() == pytest.approx(want, rel=1e-9)
+            assert low[i] <= median[i] <= high[i]
+
+
+def test_abduction_anchor_at_the_smallest_scales_gives_a_finite_loss_and_gradient(tiny_qwen):
+    model = build(tiny_qwen, scale_min=1e-30, abduction_scale_init=1e-30).train()
+    model.enable_abduction_finetuning(anchor_weight=1.0)
+    ids = torch.randint(0, 100, (2, 6))
+    at_start = model(ids, labels=ids)
+    model.abduction_anchor, anchor = None, model.abduction_anchor
+    without = model(ids, labels=ids)
+    model.abduction_anchor = anchor
+    assert torch.isfinite(at_start.loss) and at_start.loss.item() == pytest.approx(without.loss.item(), rel=1e-6)
+    # Scale U by 3 everywhere: each of the C coordinates adds KL = log((1 + 3)² / (4·3)) = log(4/3).
+    with torch.no_grad():
+        model.abduction.scale_net.bias.fill_(math.log(3e-30))  # softplus(x) = eˣ for x ≪ 0
+    out = model(ids, labels=ids)
+    model.abduction_anchor = None
+    plain = model(ids, labels=ids)
+    model.abduction_anchor = anchor
+    assert out.loss.item() == pytest.approx(plain.loss.item() + 32 * math.log(4 / 3), rel=1e-5)
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.abduction.parameters())
