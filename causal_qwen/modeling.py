@@ -25,13 +25,13 @@ from transformers.processing_utils import Unpack
 from transformers.utils import ModelOutput, TransformersKwargs, can_return_tuple
 
 from . import cauchy
-from .cauchy import kl_divergence, quantile, symlog
+from .cauchy import kl_divergence, quantile, symlog, untransform_values
 from .checks import check_forward_inputs, check_forward_replacement
 from .configuration import CausalQwenConfig
 from .conversion import convert_qwen
 from .generation import CausalGenerationState, CausalQwenGenerationMixin
 from .labels import IGNORE_INDEX, next_token_targets
-from .loss import LossOptions, causal_qwen_loss, fused_causal_qwen_loss, safe_mean, untransform_values
+from .loss import LossOptions, causal_qwen_loss, fused_causal_qwen_loss, safe_mean
 from .modelcard import write_model_card
 
 __all__ = [
