@@ -80,7 +80,7 @@ def position_statistics(
 def _chunk_statistics(action, loc_s, scale_s, loc_u, scale_u, targets, num_id, generator) -> torch.Tensor:
     """`[n, len(FIELDS)]` for n valid positions; regression columns are filled by the caller."""
     threshold = action.threshold.float()
-    p = action.ovr_probability(loc_s, scale_s)
+    p = cauchy.ovr_probability(loc_s, scale_s, threshold)
     log_p_target = cauchy.ovr_log_probs(
         loc_s.gather(-1, targets[:, None]), scale_s.gather(-1, targets[:, None]),
         threshold.expand_as(loc_s).gather(-1, targets[:, None]),
@@ -92,7 +92,7 @@ def _chunk_statistics(action, loc_s, scale_s, loc_u, scale_u, targets, num_id, g
     # Causal mode: one individual u per position, the decision then carries the noise alone.
     eps = cauchy.uniform(loc_u.shape, loc_u.device, generator)
     loc_c, scale_c = action.classify(*action.head_inputs(loc_u, scale_u, individual=eps))
-    ovr_sum_causal = action.ovr_probability(loc_c.float(), scale_c.float()).sum(-1)
+    ovr_sum_causal = cauchy.ovr_probability(loc_c.float(), scale_c.float(), threshold).sum(-1)
 
     is_num = targets == num_id if num_id is not None else torch.zeros_like(targets, dtype=torch.bool)
     pred_num = pred == num_id if num_id is not None else torch.zeros_like(targets, dtype=torch.bool)

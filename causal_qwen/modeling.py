@@ -382,10 +382,6 @@ class CausalQwenAction(nn.Module):
             scale_y = scale_y + self.reg_log_noise.exp().to(scale_y.dtype).reshape(())
         return loc_y.squeeze(-1), scale_y.clamp(min=self.scale_min)
 
-    def ovr_probability(self, loc_s: torch.Tensor, scale_s: torch.Tensor) -> torch.Tensor:
-        """P_k = P(S_k > C_k), `[..., V]`."""
-        return cauchy.ovr_probability(loc_s, scale_s, self.threshold.to(loc_s.dtype))
-
     def margin(self, loc_s: torch.Tensor, scale_s: torch.Tensor) -> torch.Tensor:
         """The standardised margin z_k = (loc_S,k − C_k) / scale_S,k in fp32, `[..., V]`.
 
@@ -676,7 +672,7 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
 
     def ovr_probabilities(self, loc_s: torch.Tensor, scale_s: torch.Tensor) -> torch.Tensor:
         """P_k = P(S_k > C_k) for decision scores `[..., V]`."""
-        return self.action.ovr_probability(loc_s, scale_s)
+        return cauchy.ovr_probability(loc_s, scale_s, self.action.threshold.to(loc_s.dtype))
 
     def value_interval(
         self, loc_y: torch.Tensor, scale_y: torch.Tensor, coverage: float = 0.9
