@@ -24,7 +24,7 @@ import torch
 from . import cauchy
 from .labels import IGNORE_INDEX, next_token_targets
 
-__all__ = ["position_statistics", "summarize", "evaluate", "CausalQwenMetrics"]
+__all__ = ["position_statistics", "summarize", "point_errors", "evaluate", "CausalQwenMetrics"]
 
 # Columns of the packed per-position statistics (see `position_statistics`).
 FIELDS = (
@@ -158,20 +158,25 @@ def regression_metrics(
     model, loc_y: torch.Tensor, scale_y: torch.Tensor, true: torch.Tensor, prefix: str = "eval/"
 ) -> dict[str, float]:
     """Errors of the predicted median and coverage of its Cauchy intervals, in value space."""
-    median = model.to_value(loc_y)
-    err = (median - true).abs()
-    metrics = {
-        f"{prefix}reg_mae": err.mean().item(),
-        f"{prefix}reg_mdae": err.median().item(),
-        f"{prefix}reg_r2": _r2(median, true),
-        f"{prefix}reg_r2_symlog": _r2(_symlog10(median), _symlog10(true)),
-        f"{prefix}reg_rel_err_median": (err / true.abs().clamp(min=1e-12)).median().item(),
-    }
+    metrics = point_errors(model.to_value(loc_y), true, prefix)
     for coverage in (0.5, 0.9):
         _, low, high = model.value_interval(loc_y, scale_y, coverage=coverage)
         inside = (true >= low) & (true <= high)
         metrics[f"{prefix}reg_coverage_{round(coverage * 100)}"] = inside.double().mean().item()
     return metrics
+
+
+def point_errors(predicted: torch.Tensor, true: torch.Tensor, prefix: str = "") -> dict[str, float]:
+    """Errors of point predictions of values: mean and median absolute error, R² (also on sign·log10(1+|x|)) and
+    the median relative error."""
+    err = (predicted - true).abs()
+    return {
+        f"{prefix}reg_mae": err.mean().item(),
+        f"{prefix}reg_mdae": err.median().item(),
+        f"{prefix}reg_r2": _r2(predicted, true),
+        f"{prefix}reg_r2_symlog": _r2(_symlog10(predicted), _symlog10(true)),
+        f"{prefix}reg_rel_err_median": (err / true.abs().clamp(min=1e-12)).median().item(),
+    }
 
 
 def _r2(pred: torch.Tensor, true: torch.Tensor) -> float:
