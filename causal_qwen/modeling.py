@@ -352,7 +352,7 @@ class CausalQwenAction(nn.Module):
             return cauchy.from_uniform(loc_u, scale_u, individual), noise_scale.expand_as(loc_u)
         if noise is not None:
             return cauchy.from_uniform(loc_u, noise_scale, noise), scale_u
-        return loc_u, scale_u + noise_scale
+        return loc_u, self.noisy_scale(scale_u)
 
     def classify(
         self, loc: torch.Tensor, scale: torch.Tensor | None
