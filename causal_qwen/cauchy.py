@@ -19,6 +19,7 @@ __all__ = [
     "linear",
     "linear_by_blocks",
     "cdf",
+    "interval_probability",
     "ovr_probability",
     "ovr_log_probs",
     "ovr_log_prob_gradients",
@@ -30,26 +31,34 @@ __all__ = [
     "kl_divergence",
     "symlog",
     "symexp",
+    "transform_values",
+    "untransform_values",
 ]
 
 _LOG_PI = math.log(math.pi)
 
 
 def linear(
-    loc: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    loc: torch.Tensor,
+    scale: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    abs_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Push independent Cauchy(loc, scale) inputs through `x @ weight.T + bias`.
 
     Args:
         loc, scale: `[..., in_features]`.
-        weight: `[out_features, in_features]`.
+        weight: `[out_features, in_features]`, or `[in_features]` for a single output without its axis.
         bias: `[out_features]` or None.
+        abs_weight: |weight|, when the caller has it already (`linear_by_blocks` builds it in a reused buffer).
 
     Returns:
-        `(loc, scale)` of the outputs, each `[..., out_features]`.
+        `(loc, scale)` of the outputs, each `[..., out_features]` (`[...]` for a 1-D weight).
     """
     out_loc = torch.nn.functional.linear(loc, weight, bias)
-    out_scale = torch.nn.functional.linear(scale, weight.abs())
+    out_scale = torch.nn.functional.linear(scale, weight.abs() if abs_weight is None else abs_weight)
     return out_loc, out_scale
 
 
@@ -82,17 +91,31 @@ def linear_by_blocks(
         block = weight[start:start + block_rows]
         rows = block.shape[0]
         abs_block = torch.abs(block, out=buffer[:rows])
-        if bias is None:
-            out_loc[:, start:start + rows] = loc2 @ block.T
-        else:
-            out_loc[:, start:start + rows] = torch.addmm(bias[start:start + rows], loc2, block.T)
-        out_scale[:, start:start + rows] = scale2 @ abs_block.T
+        block_bias = None if bias is None else bias[start:start + rows]
+        out_loc[:, start:start + rows], out_scale[:, start:start + rows] = linear(
+            loc2, scale2, block, block_bias, abs_weight=abs_block
+        )
     return out_loc.reshape(*lead, out_features), out_scale.reshape(*lead, out_features)
 
 
 def cdf(x: torch.Tensor, loc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """P(X ≤ x) for X ~ Cauchy(loc, scale)."""
     return torch.atan2(scale, loc - x) / math.pi
+
+
+def interval_probability(
+    lower: torch.Tensor, upper: torch.Tensor, loc: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """P(lower < X ≤ upper) = cdf(upper) − cdf(lower) for X ~ Cauchy(loc, scale) and lower ≤ upper.
+
+    With a = (upper − loc)/scale and b = (lower − loc)/scale it is (atan a − atan b)/π. Where both ends lie on the
+    same side of loc the difference is taken as one angle, atan((a − b)/(1 + ab)), so that a narrow interval far in
+    a tail keeps its relative accuracy (the two cdfs there agree in most of their digits).
+    """
+    a, b = (upper - loc) / scale, (lower - loc) / scale
+    same_side = a * b > 0
+    tail = torch.atan((a - b) / (1 + torch.where(same_side, a * b, torch.zeros_like(a))))
+    return torch.where(same_side, tail, torch.atan(a) - torch.atan(b)) / math.pi
 
 
 def ovr_probability(loc: torch.Tensor, scale: torch.Tensor, threshold: torch.Tensor | float) -> torch.Tensor:
@@ -305,3 +328,13 @@ def symlog(value: torch.Tensor) -> torch.Tensor:
 def symexp(value: torch.Tensor) -> torch.Tensor:
     """The inverse of `symlog`: sign(t)·(e^|t| − 1)."""
     return torch.sign(value) * torch.expm1(value.abs())
+
+
+def transform_values(values: torch.Tensor, value_transform: str) -> torch.Tensor:
+    """Map values into the regression head's space: `symlog` for `"symlog"`, unchanged for `"identity"`."""
+    return symlog(values) if value_transform == "symlog" else values
+
+
+def untransform_values(y: torch.Tensor, value_transform: str) -> torch.Tensor:
+    """Map a point of the regression head's space back to a value (the inverse of `transform_values`)."""
+    return symexp(y) if value_transform == "symlog" else y

@@ -16,14 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .cauchy import nll, ovr_log_probs, ovr_probability, symexp, symlog
+from .cauchy import nll, ovr_log_probs, ovr_probability, transform_values
 from .chunked_loss import chunked_ovr_loss, class_threshold, ovr_class_probability
 from .labels import IGNORE_INDEX, next_token_targets
 
 __all__ = [
     "IGNORE_INDEX", "CausalLoss", "LossOptions", "causal_qwen_loss", "fused_causal_qwen_loss",
-    "ovr_classification_loss", "regression_nll", "transform_values", "untransform_values", "combine_losses",
-    "safe_mean",
+    "ovr_classification_loss", "regression_nll", "combine_losses", "safe_mean",
 ]
 
 
@@ -61,16 +60,6 @@ class LossOptions:
             reg_loss_weight=config.reg_loss_weight, detach_gate=config.detach_gate,
             value_transform=config.value_transform,
         )
-
-
-def transform_values(values: torch.Tensor, value_transform: str) -> torch.Tensor:
-    """Map true values into the space the regression head models."""
-    return symlog(values) if value_transform == "symlog" else values
-
-
-def untransform_values(y: torch.Tensor, value_transform: str) -> torch.Tensor:
-    """Map a point of the regression head's space back to a value (the inverse of `transform_values`)."""
-    return symexp(y) if value_transform == "symlog" else y
 
 
 def ovr_classification_loss(

@@ -24,7 +24,7 @@ import torch
 from . import cauchy
 from .labels import IGNORE_INDEX, next_token_targets
 
-__all__ = ["position_statistics", "summarize", "evaluate", "CausalQwenMetrics"]
+__all__ = ["position_statistics", "summarize", "point_errors", "evaluate", "CausalQwenMetrics"]
 
 # Columns of the packed per-position statistics (see `position_statistics`).
 FIELDS = (
@@ -80,7 +80,7 @@ def position_statistics(
 def _chunk_statistics(action, loc_s, scale_s, loc_u, scale_u, targets, num_id, generator) -> torch.Tensor:
     """`[n, len(FIELDS)]` for n valid positions; regression columns are filled by the caller."""
     threshold = action.threshold.float()
-    p = action.ovr_probability(loc_s, scale_s)
+    p = cauchy.ovr_probability(loc_s, scale_s, threshold)
     log_p_target = cauchy.ovr_log_probs(
         loc_s.gather(-1, targets[:, None]), scale_s.gather(-1, targets[:, None]),
         threshold.expand_as(loc_s).gather(-1, targets[:, None]),
@@ -92,7 +92,7 @@ def _chunk_statistics(action, loc_s, scale_s, loc_u, scale_u, targets, num_id, g
     # Causal mode: one individual u per position, the decision then carries the noise alone.
     eps = cauchy.uniform(loc_u.shape, loc_u.device, generator)
     loc_c, scale_c = action.classify(*action.head_inputs(loc_u, scale_u, individual=eps))
-    ovr_sum_causal = action.ovr_probability(loc_c.float(), scale_c.float()).sum(-1)
+    ovr_sum_causal = cauchy.ovr_probability(loc_c.float(), scale_c.float(), threshold).sum(-1)
 
     is_num = targets == num_id if num_id is not None else torch.zeros_like(targets, dtype=torch.bool)
     pred_num = pred == num_id if num_id is not None else torch.zeros_like(targets, dtype=torch.bool)
@@ -158,20 +158,25 @@ def regression_metrics(
     model, loc_y: torch.Tensor, scale_y: torch.Tensor, true: torch.Tensor, prefix: str = "eval/"
 ) -> dict[str, float]:
     """Errors of the predicted median and coverage of its Cauchy intervals, in value space."""
-    median = model.to_value(loc_y)
-    err = (median - true).abs()
-    metrics = {
-        f"{prefix}reg_mae": err.mean().item(),
-        f"{prefix}reg_mdae": err.median().item(),
-        f"{prefix}reg_r2": _r2(median, true),
-        f"{prefix}reg_r2_symlog": _r2(_symlog10(median), _symlog10(true)),
-        f"{prefix}reg_rel_err_median": (err / true.abs().clamp(min=1e-12)).median().item(),
-    }
+    metrics = point_errors(model.to_value(loc_y), true, prefix)
     for coverage in (0.5, 0.9):
         _, low, high = model.value_interval(loc_y, scale_y, coverage=coverage)
         inside = (true >= low) & (true <= high)
         metrics[f"{prefix}reg_coverage_{round(coverage * 100)}"] = inside.double().mean().item()
     return metrics
+
+
+def point_errors(predicted: torch.Tensor, true: torch.Tensor, prefix: str = "") -> dict[str, float]:
+    """Errors of point predictions of values: mean and median absolute error, R² (also on sign·log10(1+|x|)) and
+    the median relative error."""
+    err = (predicted - true).abs()
+    return {
+        f"{prefix}reg_mae": err.mean().item(),
+        f"{prefix}reg_mdae": err.median().item(),
+        f"{prefix}reg_r2": _r2(predicted, true),
+        f"{prefix}reg_r2_symlog": _r2(_symlog10(predicted), _symlog10(true)),
+        f"{prefix}reg_rel_err_median": (err / true.abs().clamp(min=1e-12)).median().item(),
+    }
 
 
 def _r2(pred: torch.Tensor, true: torch.Tensor) -> float:

@@ -25,13 +25,13 @@ from transformers.processing_utils import Unpack
 from transformers.utils import ModelOutput, TransformersKwargs, can_return_tuple
 
 from . import cauchy
-from .cauchy import kl_divergence, symlog
+from .cauchy import kl_divergence, quantile, symlog, untransform_values
 from .checks import check_forward_inputs, check_forward_replacement
 from .configuration import CausalQwenConfig
 from .conversion import convert_qwen
 from .generation import CausalGenerationState, CausalQwenGenerationMixin
 from .labels import IGNORE_INDEX, next_token_targets
-from .loss import LossOptions, causal_qwen_loss, fused_causal_qwen_loss, safe_mean, untransform_values
+from .loss import LossOptions, causal_qwen_loss, fused_causal_qwen_loss, safe_mean
 from .modelcard import write_model_card
 
 __all__ = [
@@ -352,7 +352,7 @@ class CausalQwenAction(nn.Module):
             return cauchy.from_uniform(loc_u, scale_u, individual), noise_scale.expand_as(loc_u)
         if noise is not None:
             return cauchy.from_uniform(loc_u, noise_scale, noise), scale_u
-        return loc_u, scale_u + noise_scale
+        return loc_u, self.noisy_scale(scale_u)
 
     def classify(
         self, loc: torch.Tensor, scale: torch.Tensor | None
@@ -384,10 +384,6 @@ class CausalQwenAction(nn.Module):
         if self.reg_log_noise is not None:
             scale_y = scale_y + self.reg_log_noise.exp().to(scale_y.dtype).reshape(())
         return loc_y.squeeze(-1), scale_y.clamp(min=self.scale_min)
-
-    def ovr_probability(self, loc_s: torch.Tensor, scale_s: torch.Tensor) -> torch.Tensor:
-        """P_k = P(S_k > C_k), `[..., V]`."""
-        return cauchy.ovr_probability(loc_s, scale_s, self.threshold.to(loc_s.dtype))
 
     def margin(self, loc_s: torch.Tensor, scale_s: torch.Tensor) -> torch.Tensor:
         """The standardised margin z_k = (loc_S,k − C_k) / scale_S,k in fp32, `[..., V]`.
@@ -679,7 +675,7 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
 
     def ovr_probabilities(self, loc_s: torch.Tensor, scale_s: torch.Tensor) -> torch.Tensor:
         """P_k = P(S_k > C_k) for decision scores `[..., V]`."""
-        return self.action.ovr_probability(loc_s, scale_s)
+        return cauchy.ovr_probability(loc_s, scale_s, self.action.threshold.to(loc_s.dtype))
 
     def value_interval(
         self, loc_y: torch.Tensor, scale_y: torch.Tensor, coverage: float = 0.9

@@ -8,15 +8,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 from transformers import BatchEncoding, Qwen2Tokenizer
 from transformers.tokenization_utils_base import PaddingStrategy, TensorType, TruncationStrategy
-from transformers.utils import is_torch_tensor, to_py_obj
+from transformers.utils import is_torch_tensor, logging, to_py_obj
 
 from .number_splicing import decode_numbers, encode_numbers, pad_values, truncate_and_wrap
 
 __all__ = ["CausalQwenTokenizer"]
 
 NUM_TOKEN = "<NUM>"
+
+logger = logging.get_logger(__name__)
 
 
 class CausalQwenTokenizer(Qwen2Tokenizer):
@@ -45,10 +48,8 @@ class CausalQwenTokenizer(Qwen2Tokenizer):
     ```
 
     Args:
-        vocab (`str` or `dict[str, int]`, *optional*):
-            The BPE vocabulary, as for [`Qwen2Tokenizer`].
-        merges (`str` or `list[str]`, *optional*):
-            The BPE merges, as for [`Qwen2Tokenizer`].
+        vocab (`str` or `dict[str, int]`, *optional*), merges (`str` or `list[str]`, *optional*):
+            The BPE vocabulary and merges, as for [`Qwen2Tokenizer`].
         num_token (`str`, *optional*, defaults to `"<NUM>"`):
             The token that stands for a number.
         use_numeric (`bool`, *optional*, defaults to `True`):
@@ -61,14 +62,8 @@ class CausalQwenTokenizer(Qwen2Tokenizer):
 
     model_input_names = ["input_ids", "attention_mask", "numeric_values"]
 
-    def __init__(
-        self,
-        vocab: str | dict[str, int] | None = None,
-        merges: str | list[str] | None = None,
-        num_token: str = NUM_TOKEN,
-        use_numeric: bool = True,
-        **kwargs,
-    ):
+    def __init__(self, vocab: str | dict[str, int] | None = None, merges: str | list[str] | None = None,
+                 num_token: str = NUM_TOKEN, use_numeric: bool = True, **kwargs):
         # A `*_token` keyword is registered by the base class as a named special token: it is added to the
         # vocabulary after the tokens already there, exposed as `self.num_token` / `self.num_token_id` and saved.
         super().__init__(vocab=vocab, merges=merges, num_token=num_token, use_numeric=use_numeric, **kwargs)
@@ -76,6 +71,7 @@ class CausalQwenTokenizer(Qwen2Tokenizer):
         if not self.use_numeric:
             self.model_input_names = [name for name in self.model_input_names if name != "numeric_values"]
         self._literal_num_ids: list[int] | None = None
+        self._warned_too_long = False
 
     @property
     def num_token_id(self) -> int:
@@ -87,8 +83,9 @@ class CausalQwenTokenizer(Qwen2Tokenizer):
     # ------------------------------------------------------------------------------------------------------------
 
     def _encode_plus(self, *args, **kwargs) -> BatchEncoding:
-        # The one switch of encoding: `__call__`, `encode`, `tokenize` and the chat template all come here, and the
-        # text-only tokenizer stays the Qwen2 tokenizer, untouched.
+        # The one private method of transformers this class relies on: `__call__`, `encode` (so `tokenize`) and
+        # `apply_chat_template` encode through it, with the parameters of `TokenizersBackend._encode_plus` that
+        # `_encode_numbers` takes by name; tests/test_tokenization.py::test_encode_plus_is_the_one_hook pins both.
         if not self.use_numeric:
             return super()._encode_plus(*args, **kwargs)
         return self._encode_numbers(*args, **kwargs)
@@ -117,7 +114,7 @@ class CausalQwenTokenizer(Qwen2Tokenizer):
         **kwargs,
     ) -> BatchEncoding:
         """`_encode_plus` with numbers: `<NUM>` ids and their values, truncated, padded and tensored together."""
-        self._reject_unsupported(
+        _reject_unsupported(
             text_pair=text_pair is not None,
             is_split_into_words=is_split_into_words,
             return_overflowing_tokens=return_overflowing_tokens,
@@ -125,99 +122,57 @@ class CausalQwenTokenizer(Qwen2Tokenizer):
             sanitize_control_tokens=bool(kwargs.get("sanitize_control_tokens")),
         )
         texts, is_batched = _as_text_batch(text)
-        encode_segments = partial(self._encode_segments, split_special_tokens=split_special_tokens)
+        split_special_tokens = self.split_special_tokens if split_special_tokens is None else split_special_tokens
+        encode_segments = partial(_encode_segments, self.backend_tokenizer, split_special_tokens=split_special_tokens)
         input_ids, numeric_values = encode_numbers(
             texts, encode_segments, self.num_token, self.num_token_id, self._literal_num_token_ids()
         )
-        prefix, suffix = self._special_tokens_around_sequence() if add_special_tokens else ([], [])
+        around = _special_tokens_around(self.backend_tokenizer) if add_special_tokens else ([], [])
         limit = None if truncation_strategy == TruncationStrategy.DO_NOT_TRUNCATE else max_length
-        rows = [
-            truncate_and_wrap(ids, values, prefix, suffix, limit, self.truncation_side)
-            for ids, values in zip(input_ids, numeric_values, strict=True)
-        ]
-        encoded: dict[str, list] = {"input_ids": [ids for ids, _ in rows], "numeric_values": [v for _, v in rows]}
-        if return_token_type_ids:
-            encoded["token_type_ids"] = [[0] * len(ids) for ids in encoded["input_ids"]]
-        if return_special_tokens_mask:
-            content = [len(ids) - len(prefix) - len(suffix) for ids in encoded["input_ids"]]
-            encoded["special_tokens_mask"] = [[1] * len(prefix) + [0] * n + [1] * len(suffix) for n in content]
-        for ids in encoded["input_ids"]:
-            self._eventual_warn_about_too_long_sequence(ids, max_length, verbose)
-
-        data = self._pad_with_values(
-            encoded,
-            padding=padding_strategy,
-            max_length=max_length,
-            pad_to_multiple_of=pad_to_multiple_of,
-            padding_side=padding_side,
-            return_attention_mask=return_attention_mask,
-            verbose=verbose,
-        )
+        encoded = _framed_rows(input_ids, numeric_values, *around, limit, self.truncation_side,
+                               return_token_type_ids, return_special_tokens_mask)
+        if max_length is None and verbose:
+            self._warn_if_too_long(encoded["input_ids"])
+        data = self._pad_with_values(encoded, padding=padding_strategy, max_length=max_length,
+                                     pad_to_multiple_of=pad_to_multiple_of, padding_side=padding_side,
+                                     return_attention_mask=return_attention_mask, verbose=verbose)
         if return_length:
             data["length"] = [len(ids) for ids in data["input_ids"]]
         if not is_batched and return_tensors is None:
             # Same unbatching rule as the Qwen2 tokenizer: sequences lose their batch axis, `length` keeps it.
             data = {key: value[0] if value and isinstance(value[0], list) else value for key, value in data.items()}
-        return self._to_batch_encoding(data, return_tensors)
-
-    def _reject_unsupported(self, **requested: bool) -> None:
-        """Refuse the options that need character offsets or a second text, which numbers as `<NUM>` do not keep."""
-        # The text-only tokenizer is Qwen2's and has them all.
-        if not self.use_numeric:
-            return
-        for name, is_requested in requested.items():
-            if is_requested:
-                raise NotImplementedError(
-                    f"`{name}` is not supported by {type(self).__name__} with use_numeric=True; "
-                    "load the tokenizer with use_numeric=False for plain Qwen2 tokenization"
-                )
-
-    def _encode_segments(self, segments: list[str], split_special_tokens: bool | None) -> list[list[int]]:
-        """Ids of each text segment, from one call to the Rust tokenizer for all of them."""
-        # Segments are encoded alone: no padding or truncation left on the backend by an earlier call.
-        self.set_truncation_and_padding(
-            padding_strategy=PaddingStrategy.DO_NOT_PAD,
-            truncation_strategy=TruncationStrategy.DO_NOT_TRUNCATE,
-            max_length=None,
-            stride=0,
-            pad_to_multiple_of=None,
-            padding_side=None,
-        )
-        split_special_tokens = self.split_special_tokens if split_special_tokens is None else split_special_tokens
-        if self._tokenizer.encode_special_tokens != split_special_tokens:
-            self._tokenizer.encode_special_tokens = split_special_tokens
-        return [encoding.ids for encoding in self._tokenizer.encode_batch_fast(segments, add_special_tokens=False)]
+        return _batch_encoding(data, return_tensors)
 
     def _literal_num_token_ids(self) -> list[int]:
         """Ids of the string "<NUM>" read as ordinary text (its BPE pieces, not the special token)."""
-        if self._literal_num_ids is None:
-            self._literal_num_ids = self._encode_without_added_tokens(self.num_token)
+        if self._literal_num_ids is None:  # with special tokens split, "<NUM>" goes through BPE like any text
+            self._literal_num_ids = _encode_segments(self.backend_tokenizer, [self.num_token], True)[0]
         return self._literal_num_ids
 
-    def _special_tokens_around_sequence(self) -> tuple[list[int], list[int]]:
-        """The ids the post-processor puts before and after one sequence (none for Qwen2's)."""
-        post_processor = self._tokenizer.post_processor
-        if post_processor is None or post_processor.num_special_tokens_to_add(False) == 0:
-            return [], []
-        encoding = self._tokenizer.encode("a", add_special_tokens=True)
-        mask = encoding.special_tokens_mask
-        first = mask.index(0)
-        last = len(mask) - mask[::-1].index(0)
-        return encoding.ids[:first], encoding.ids[last:]
+    def _warn_if_too_long(self, input_ids: list[list[int]]) -> None:
+        """Warn once, as the Qwen2 tokenizer does, when an untruncated sequence is longer than the model takes."""
+        longest = max(map(len, input_ids), default=0)
+        if 0 < self.model_max_length < longest and not self._warned_too_long:
+            logger.warning(f"Token indices sequence length is longer than the specified maximum sequence length for "
+                           f"this model ({longest} > {self.model_max_length}). Running this sequence through the "
+                           "model will result in indexing errors")
+            self._warned_too_long = True
 
     def tokenize(self, text: str, pair: str | None = None, add_special_tokens: bool = False, **kwargs) -> list[str]:
         """Token strings of `text`; with `use_numeric`, each number is the string `<NUM>`."""
         # The ids name the tokens: an encoding with numbers spliced in has no Rust encoding to ask for its tokens.
-        encoding = self._encode_plus(text, text_pair=pair, add_special_tokens=add_special_tokens, **kwargs)
-        return self.convert_ids_to_tokens(encoding["input_ids"])
+        ids = self.encode(text, text_pair=pair, add_special_tokens=add_special_tokens, **kwargs)
+        return self.convert_ids_to_tokens(ids)
 
     def apply_chat_template(self, conversation: list[dict[str, str]] | list[list[dict[str, str]]], *args, **kwargs):
         """
         The base chat template, numbers included: with `tokenize=True` and `return_dict=True` (the defaults) the
         result holds `numeric_values` aligned with `input_ids`; `return_dict=False` gives the ids only.
         """
-        # The assistant mask is built from character offsets, which the encoding with numbers does not have.
-        self._reject_unsupported(return_assistant_tokens_mask=bool(kwargs.get("return_assistant_tokens_mask")))
+        # The assistant mask is built from character offsets, which the encoding with numbers does not have (the
+        # text-only tokenizer is Qwen2's and has them).
+        if self.use_numeric:
+            _reject_unsupported(return_assistant_tokens_mask=bool(kwargs.get("return_assistant_tokens_mask")))
         return super().apply_chat_template(conversation, *args, **kwargs)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -239,26 +194,15 @@ class CausalQwenTokenizer(Qwen2Tokenizer):
         Pad one encoded input or a batch, as [`~PreTrainedTokenizerBase.pad`], with `numeric_values` padded by 0.0
         on the padding side and returned as float64 tensors. Works as a collate function on a list of examples.
         """
-        if isinstance(encoded_inputs, (list, tuple)) and encoded_inputs and isinstance(encoded_inputs[0], Mapping):
-            encoded_inputs = {key: [example[key] for example in encoded_inputs] for key in encoded_inputs[0].keys()}
-        if not isinstance(encoded_inputs, Mapping):
-            raise TypeError(
-                "`encoded_inputs` must be a dict of lists or a list of dicts, got "
-                f"{type(encoded_inputs).__name__}"
-            )
+        columns = _as_columns(encoded_inputs)
         if return_tensors is None:
-            return_tensors = _tensor_type_of(encoded_inputs.get("input_ids"))
+            return_tensors = _tensor_type_of(columns.get("input_ids"))
         # Tensors are padded as Python lists: converting back at the end keeps float64 values exact.
-        padded = self._pad_with_values(
-            {key: to_py_obj(value) for key, value in encoded_inputs.items()},
-            padding=padding,
-            max_length=max_length,
-            pad_to_multiple_of=pad_to_multiple_of,
-            padding_side=padding_side,
-            return_attention_mask=return_attention_mask,
-            verbose=verbose,
-        )
-        return self._to_batch_encoding(padded, return_tensors)
+        padded = self._pad_with_values({key: to_py_obj(value) for key, value in columns.items()}, padding=padding,
+                                       max_length=max_length, pad_to_multiple_of=pad_to_multiple_of,
+                                       padding_side=padding_side, return_attention_mask=return_attention_mask,
+                                       verbose=verbose)
+        return _batch_encoding(padded, return_tensors)
 
     def _pad_with_values(self, encoded: dict[str, Any], padding_side: str | None = None, **padding) -> dict[str, Any]:
         """Pad the lists of `encoded` as the base tokenizer does, and `numeric_values` with 0.0 on the same side."""
@@ -279,23 +223,6 @@ class CausalQwenTokenizer(Qwen2Tokenizer):
             else:
                 padded["numeric_values"] = pad_values(values, ids, len(padded_ids), side)
         return padded
-
-    def _to_batch_encoding(self, data: dict[str, Any], return_tensors: str | TensorType | None) -> BatchEncoding:
-        """A `BatchEncoding` of `data`, with `numeric_values` as float64 tensors (int and float32 would round)."""
-        values = data.get("numeric_values")
-        if return_tensors is not None and values is not None and not _is_tensor(values):
-            tensor_type = TensorType(return_tensors)
-            try:
-                if tensor_type == TensorType.PYTORCH:
-                    data["numeric_values"] = torch.tensor(values, dtype=torch.float64)
-                elif tensor_type == TensorType.NUMPY:
-                    data["numeric_values"] = np.asarray(values, dtype=np.float64)
-            except ValueError as error:
-                raise ValueError(
-                    "Unable to create tensors of sequences of different lengths: pass padding=True (and "
-                    "truncation=True) to get batched tensors"
-                ) from error
-        return BatchEncoding(data, tensor_type=return_tensors)
 
     # ------------------------------------------------------------------------------------------------------------
     # Decoding
@@ -337,24 +264,97 @@ class CausalQwenTokenizer(Qwen2Tokenizer):
         if not self.use_numeric and numeric_values is None:
             return super().decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs)
         # Spaces are never cleaned up: the text between numbers must come back exactly.
-        decode_runs = partial(self._tokenizer.decode_batch, skip_special_tokens=skip_special_tokens)
+        decode_runs = partial(self.backend_tokenizer.decode_batch, skip_special_tokens=skip_special_tokens)
         return decode_numbers(
             to_py_obj(token_ids), to_py_obj(numeric_values), decode_runs, self.num_token, self.num_token_id
         )
 
-    def batch_decode(
-        self,
-        sequences: Sequence[Sequence[int]] | Any,
-        skip_special_tokens: bool = False,
-        clean_up_tokenization_spaces: bool | None = None,
-        numeric_values: Sequence[Sequence[float]] | Any | None = None,
-        **kwargs,
-    ) -> list[str]:
-        """Decode a batch of sequences, see [`~CausalQwenTokenizer.decode`]."""
-        decoded = self.decode(
-            sequences, skip_special_tokens=skip_special_tokens, numeric_values=numeric_values, **kwargs
+
+def _encode_segments(backend: Tokenizer, segments: list[str], split_special_tokens: bool) -> list[list[int]]:
+    """Ids of each text segment on its own, from one call to the Rust tokenizer for all of them."""
+    # No padding or truncation left on the backend by an earlier call: each segment is encoded whole.
+    if backend.truncation is not None:
+        backend.no_truncation()
+    if backend.padding is not None:
+        backend.no_padding()
+    if backend.encode_special_tokens != split_special_tokens:
+        backend.encode_special_tokens = split_special_tokens
+    return [encoding.ids for encoding in backend.encode_batch_fast(segments, add_special_tokens=False)]
+
+
+def _special_tokens_around(backend: Tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the post-processor puts before and after one sequence (none for Qwen2's)."""
+    post_processor = backend.post_processor
+    if post_processor is None or post_processor.num_special_tokens_to_add(False) == 0:
+        return [], []
+    encoding = backend.encode("a", add_special_tokens=True)
+    mask = encoding.special_tokens_mask
+    first = mask.index(0)
+    last = len(mask) - mask[::-1].index(0)
+    return encoding.ids[:first], encoding.ids[last:]
+
+
+def _framed_rows(
+    input_ids: list[list[int]],
+    numeric_values: list[list[float]],
+    prefix: list[int],
+    suffix: list[int],
+    max_length: int | None,
+    side: str,
+    token_type_ids: bool | None,
+    special_tokens_mask: bool,
+) -> dict[str, list]:
+    """The rows cut to `max_length` and framed by the special tokens, with the optional masks the options ask for."""
+    rows = [truncate_and_wrap(ids, values, prefix, suffix, max_length, side)
+            for ids, values in zip(input_ids, numeric_values, strict=True)]
+    encoded: dict[str, list] = {"input_ids": [ids for ids, _ in rows], "numeric_values": [v for _, v in rows]}
+    if token_type_ids:
+        encoded["token_type_ids"] = [[0] * len(ids) for ids in encoded["input_ids"]]
+    if special_tokens_mask:
+        content = [len(ids) - len(prefix) - len(suffix) for ids in encoded["input_ids"]]
+        encoded["special_tokens_mask"] = [[1] * len(prefix) + [0] * n + [1] * len(suffix) for n in content]
+    return encoded
+
+
+def _batch_encoding(data: dict[str, Any], return_tensors: str | TensorType | None) -> BatchEncoding:
+    """A `BatchEncoding` of `data`, with `numeric_values` as float64 tensors (int and float32 would round)."""
+    values = data.get("numeric_values")
+    if return_tensors is not None and values is not None and not _is_tensor(values):
+        tensor_type = TensorType(return_tensors)
+        try:
+            if tensor_type == TensorType.PYTORCH:
+                data["numeric_values"] = torch.tensor(values, dtype=torch.float64)
+            elif tensor_type == TensorType.NUMPY:
+                data["numeric_values"] = np.asarray(values, dtype=np.float64)
+        except ValueError as error:
+            raise ValueError(
+                "Unable to create tensors of sequences of different lengths: pass padding=True (and "
+                "truncation=True) to get batched tensors"
+            ) from error
+    return BatchEncoding(data, tensor_type=return_tensors)
+
+
+def _reject_unsupported(**requested: bool) -> None:
+    """Refuse the options that need character offsets or a second text, which numbers as `<NUM>` do not keep."""
+    for name, is_requested in requested.items():
+        if is_requested:
+            raise NotImplementedError(
+                f"`{name}` is not supported by CausalQwenTokenizer with use_numeric=True; "
+                "load the tokenizer with use_numeric=False for plain Qwen2 tokenization"
+            )
+
+
+def _as_columns(
+    encoded_inputs: BatchEncoding | Mapping[str, Any] | Sequence[Mapping[str, Any]],
+) -> Mapping[str, Any]:
+    """The columns of one encoded input, of a batch, or of a list of examples (a collate function's input)."""
+    if isinstance(encoded_inputs, (list, tuple)) and encoded_inputs and isinstance(encoded_inputs[0], Mapping):
+        encoded_inputs = {key: [example[key] for example in encoded_inputs] for key in encoded_inputs[0].keys()}
+    if not isinstance(encoded_inputs, Mapping):
+        raise TypeError(
+            f"`encoded_inputs` must be a dict of lists or a list of dicts, got {type(encoded_inputs).__name__}"
         )
-        return [decoded] if isinstance(decoded, str) else decoded
+    return encoded_inputs
 
 
 def _as_text_batch(text: str | Sequence[str]) -> tuple[list[str], bool]:

@@ -33,9 +33,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .cauchy import linear, transform_values
 from .checks import check_positive_finite
 from .labels import IGNORE_INDEX, next_token_targets
-from .loss import transform_values
 
 __all__ = ["ValueHeadFit", "fit_value_head", "num_decision_start", "ridge_readout", "value_head_rows"]
 
@@ -223,7 +223,7 @@ def num_decision_start(
     u, u_scale, row, rival, truth = u.double(), u_scale.double(), row.double(), rival.double(), is_num.bool()
 
     def need(w: torch.Tensor) -> torch.Tensor:
-        scale = (u_scale @ w.abs()).clamp(min=scale_min)
+        scale = linear(u, u_scale, w)[1].clamp(min=scale_min)
         return threshold + scale * rival - (u @ row + bias)
 
     def f1(delta_w: torch.Tensor, delta_b: float) -> float:

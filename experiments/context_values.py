@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_experiment as experiment  # noqa: E402
 
 from causal_qwen import CausalQwenTokenizer  # noqa: E402
+from causal_qwen.cauchy import transform_values, untransform_values  # noqa: E402
 from causal_qwen.data.collator import CausalQwenDataCollator  # noqa: E402
-from causal_qwen.loss import transform_values, untransform_values  # noqa: E402
 from causal_qwen.value_head import ridge_readout  # noqa: E402
 
 

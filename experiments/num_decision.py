@@ -15,7 +15,6 @@ counts them.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_experiment as experiment  # noqa: E402
 
 from causal_qwen import CausalQwenForCausalLM, CausalQwenTokenizer  # noqa: E402
-from causal_qwen.cauchy import ovr_log_probs  # noqa: E402
+from causal_qwen.cauchy import ovr_log_probs, quantile  # noqa: E402
 from causal_qwen.data.collator import CausalQwenDataCollator  # noqa: E402
 from causal_qwen.labels import IGNORE_INDEX  # noqa: E402
 
@@ -88,11 +87,11 @@ def num_columns(model, tokenizer, examples, batch_size: int, inputs: bool = Fals
                        attention_mask=batch["attention_mask"])
         labelled = batch["labels"][:, 1:] != IGNORE_INDEX
         loc, scale = result.loc_S[:, :-1], result.scale_S[:, :-1]
-        p = action.ovr_probability(loc, scale)
+        p = model.ovr_probabilities(loc, scale)
         p[..., num] = -1.0
         best = p.max(-1).values.double().clamp(max=1 - 1e-12)
-        # P = 1/2 + atan((loc − C)/scale)/π, solved for loc at P = best.
-        tie = threshold + torch.tan((best - 0.5) * math.pi) * scale[..., num].double()
+        # P = 1/2 + atan((loc − C)/scale)/π solved for loc at P = best: the best-quantile of Cauchy(C, scale).
+        tie = quantile(torch.tensor(threshold, dtype=torch.float64), scale[..., num].double(), best)
         out["loc"].append(loc[..., num][labelled].double())
         out["scale"].append(scale[..., num][labelled].double())
         out["tie"].append(tie[labelled])

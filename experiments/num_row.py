@@ -30,7 +30,7 @@ import num_decision  # noqa: E402
 import run_experiment as experiment  # noqa: E402
 
 from causal_qwen import CausalQwenTokenizer  # noqa: E402
-from causal_qwen.cauchy import ovr_log_probs  # noqa: E402
+from causal_qwen.cauchy import linear, ovr_log_probs  # noqa: E402
 from causal_qwen.value_head import num_decision_start  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def fit_own_loss(r: dict, row: torch.Tensor, bias: float, threshold: float, pena
     def closure():
         optimizer.zero_grad()
         loc = r["u"] @ row + bias + u_std @ a + c
-        scale = (r["u_scale"] @ (row + a / std).abs()).clamp(min=1e-6)
+        scale = linear(r["u"], r["u_scale"], row + a / std)[1].clamp(min=1e-6)
         log_p, log_not_p = ovr_log_probs(loc, scale, threshold)
         loss = -torch.where(r["is_num"], log_p, log_not_p).mean() + penalty * a.square().sum() / len(loc)
         loss.backward()
@@ -68,7 +68,7 @@ def chosen(r: dict, row: torch.Tensor, delta_w: torch.Tensor, delta_b: float, th
     other class's."""
     rival = (r["tie"] - threshold) / r["scale"]
     loc = r["loc"] + r["u"] @ delta_w + delta_b
-    scale = (r["u_scale"] @ (row + delta_w).abs()).clamp(min=1e-6)
+    scale = linear(r["u"], r["u_scale"], row + delta_w)[1].clamp(min=1e-6)
     return (loc - threshold) / scale > rival
 
 

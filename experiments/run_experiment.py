@@ -64,7 +64,7 @@ from causal_qwen.data import (
     tokenize_examples,
 )
 from causal_qwen.labels import IGNORE_INDEX
-from causal_qwen.metrics import FIELDS, evaluate
+from causal_qwen.metrics import FIELDS, evaluate, point_errors
 from causal_qwen.numbers import find_numbers
 from causal_qwen.plots import plot_loss_curves, plot_predictions
 from causal_qwen.training import LEARNING_RATE_SCALES, CausalQwenTrainer
@@ -399,17 +399,7 @@ def point_metrics(predicted: list[float | None], true: list[float]) -> dict:
     often a number was written)."""
     pred = torch.tensor([p if p is not None and math.isfinite(p) else 0.0 for p in predicted], dtype=torch.float64)
     y = torch.tensor(true, dtype=torch.float64)
-    err = (pred - y).abs()
-
-    def r2(p: torch.Tensor, t: torch.Tensor) -> float:
-        return (1.0 - (p - t).square().sum() / (t - t.mean()).square().sum()).item()
-
-    def symlog10(x: torch.Tensor) -> torch.Tensor:
-        return torch.sign(x) * torch.log10(1.0 + x.abs())
-
-    return {"reg_mae": err.mean().item(), "reg_mdae": err.median().item(), "reg_r2": r2(pred, y),
-            "reg_r2_symlog": r2(symlog10(pred), symlog10(y)),
-            "reg_rel_err_median": (err / y.abs().clamp(min=1e-12)).median().item(),
+    return {**point_errors(pred, y),
             "parse_rate": sum(p is not None for p in predicted) / max(len(predicted), 1), "n_targets": len(true)}
 
 

@@ -1,6 +1,8 @@
 """CausalQwenTokenizer on the real Qwen2.5 tokenizer, checked against the Qwen2 tokenizer it wraps."""
 
+import inspect
 import json
+import logging
 import math
 import random
 import time
@@ -11,7 +13,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from tokenizers.pre_tokenizers import ByteLevel
 from transformers import AutoTokenizer, Qwen2Tokenizer
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 from causal_qwen.numbers import find_numbers, format_number
 from causal_qwen.tokenization import CausalQwenTokenizer
@@ -147,6 +151,7 @@ def test_literal_num_string_is_text(tok, base):
     assert encoded["input_ids"].count(QWEN25_NUM_ID) == 1  # only the 5
     assert encoded["input_ids"][-1] == QWEN25_NUM_ID and encoded["numeric_values"][-1] == 5.0
     assert tok.decode(encoded["input_ids"], numeric_values=encoded["numeric_values"]) == text
+    assert tok("<NUM>")["input_ids"] == base("<NUM>")["input_ids"]  # the BPE pieces of the string, as in Qwen2
 
 
 def test_special_tokens_in_text_are_the_base_ids(tok, base):
@@ -454,3 +459,59 @@ def test_one_megabyte_of_digits_and_separators(tok):
     # A guard against super-linear scanning (the benchmark reports the real figure, well under this).
     assert elapsed < 10.0
     assert len(encoded["numeric_values"]) == len(encoded["input_ids"]) > 100_000
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The transformers API the tokenizer rests on
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def byte_tokenizer(**kwargs) -> CausalQwenTokenizer:
+    """A CausalQwenTokenizer built in-process: the 256 byte-level characters as its vocabulary, no merges."""
+    vocab = {char: index for index, char in enumerate(sorted(ByteLevel.alphabet()))}
+    return CausalQwenTokenizer(vocab=vocab, merges=[], **kwargs)
+
+
+def test_encode_plus_is_the_one_hook(monkeypatch):
+    # `_encode_numbers` takes every parameter of transformers' `_encode_plus` by name, with the same default: a
+    # parameter added, renamed or given another default there fails here.
+    def parameters(function):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+    assert parameters(CausalQwenTokenizer._encode_numbers) == parameters(TokenizersBackend._encode_plus)
+    # Every public way to encode goes through `_encode_plus`, once, and so gets the numbers.
+    tok = byte_tokenizer(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    calls = []
+    hook = CausalQwenTokenizer._encode_plus
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return hook(self, *args, **kwargs)
+
+    monkeypatch.setattr(CausalQwenTokenizer, "_encode_plus", counted)
+    chat = [{"role": "user", "content": "a 1"}]
+    entry_points = {
+        "__call__": lambda: tok("a 1")["numeric_values"][-1],
+        "encode": lambda: tok.encode("a 1")[-1],
+        "tokenize": lambda: tok.tokenize("a 1")[-1],
+        "apply_chat_template": lambda: tok.apply_chat_template(chat)["numeric_values"][-1],
+    }
+    expected = {"__call__": 1.0, "encode": tok.num_token_id, "tokenize": "<NUM>", "apply_chat_template": 1.0}
+    for name, entry_point in entry_points.items():
+        calls.clear()
+        assert entry_point() == expected[name], name
+        assert len(calls) == 1, name
+
+
+def test_too_long_warns_once_unless_truncated_or_quiet(caplog):
+    tok = byte_tokenizer(model_max_length=4)
+    with caplog.at_level(logging.WARNING):
+        tok("a 1 bc", verbose=False)
+        tok("a 1 bc", truncation=True, max_length=4)
+        assert not caplog.records
+        tok(["a", "a 1 bc"])
+        tok("a 1 bcd")
+    assert [record.getMessage() for record in caplog.records] == [
+        "Token indices sequence length is longer than the specified maximum sequence length for this model (6 > 4). "
+        "Running this sequence through the model will result in indexing errors"
+    ]

@@ -179,7 +179,7 @@ def test_fit_value_head_starts_the_num_row_for_standard_mode(model):
             out = model(batch["input_ids"], numeric_values=batch["numeric_values"],
                         attention_mask=batch["attention_mask"])
         labelled = batch["labels"][:, 1:] != -100
-        p = model.action.ovr_probability(out.loc_S[:, :-1].double(), out.scale_S[:, :-1].double())
+        p = model.ovr_probabilities(out.loc_S[:, :-1].double(), out.scale_S[:, :-1].double())
         chosen = (p.argmax(-1) == NUM)[labelled]
         truth = (batch["labels"][:, 1:] == NUM)[labelled]
         return 2 * (chosen & truth).sum().item() / (chosen.sum() + truth.sum()).item()

@@ -31,7 +31,6 @@ pretrained=path/to/causal-qwen --tasks ...` (lm-eval's own command line, with th
 
 from __future__ import annotations
 
-import math
 import sys
 
 try:
@@ -49,7 +48,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .. import register as _register_causal_qwen
-from ..cauchy import symlog
+from ..cauchy import interval_probability, transform_values
 from ..generation_options import GENERATION_MODES
 from ..numbers import scan_numbers
 from ..pairing import check_tokenizer_matches
@@ -71,13 +70,6 @@ def number_resolution(text: str) -> float:
     mantissa, _, exponent = text.translate(_FULL_WIDTH_DIGITS).replace(",", "").lower().partition("e")
     decimals = len(mantissa.partition(".")[2])
     return 10.0 ** (int(exponent or 0) - decimals)
-
-
-def _atan_difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """atan(a) - atan(b) for a >= b, accurate also when both lie far in the same tail."""
-    same_side = a * b > 0
-    tail = torch.atan((a - b) / (1 + torch.where(same_side, a * b, torch.zeros_like(a))))
-    return torch.where(same_side, tail, torch.atan(a) - torch.atan(b))
 
 
 class CausalQwenLM(HFLM):
@@ -272,9 +264,9 @@ class CausalQwenLM(HFLM):
             value = torch.tensor(values, dtype=torch.float64, device=log_probs.device)[is_num]
             half = torch.tensor(resolutions, dtype=torch.float64, device=log_probs.device)[is_num] / 2
             loc, scale = loc_y[at].double(), scale_y[at].double()
-            transform = symlog if self.model.config.value_transform == "symlog" else (lambda x: x)
-            upper, lower = (transform(value + half) - loc) / scale, (transform(value - half) - loc) / scale
-            probability = _atan_difference(upper, lower) / math.pi
+            transform = self.model.config.value_transform
+            lower, upper = transform_values(value - half, transform), transform_values(value + half, transform)
+            probability = interval_probability(lower, upper, loc, scale)
             total = total + torch.log(probability).sum()
             median = self.model.to_value(loc)
             greedy = greedy and bool(((median - value).abs() <= half).all())
