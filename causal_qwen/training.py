@@ -26,11 +26,14 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 
 from .checks import check_positive_finite
-from .labels import next_token_targets
+from .labels import IGNORE_INDEX, next_token_targets
 from .pairing import check_tokenizer_matches
 from .value_head import fit_value_head
 
 __all__ = ["CausalQwenTrainer", "LEARNING_RATE_SCALES", "ValueHeadStartCallback", "parameter_groups"]
+
+# The parts of the model's loss logged beside Trainer's `loss`, in the order of their log keys.
+_LOSS_PARTS = ("loss", "cls_loss", "reg_loss")
 
 LEARNING_RATE_SCALES: dict[str, float] = {
     "action.cls_head": 1.0,
@@ -219,7 +222,10 @@ class CausalQwenTrainer(Trainer):
             for module in self.model.modules():
                 if hasattr(module, "register_zero3_heads"):
                     module.register_zero3_heads()
-        self._loss_parts: dict[str, list[float]] = {"cls_loss": [], "reg_loss": [], "loss": []}
+        # Since the last log: the sum of each loss part on the footing of Trainer's running `loss`, and the optimizer
+        # steps they came from.
+        self._loss_parts: dict[str, torch.Tensor | float] = dict.fromkeys(_LOSS_PARTS, 0.0)
+        self._loss_part_steps: set[int] = set()
         self._num_numbers_in_batch: torch.Tensor | None = None  # the step's <NUM> targets (get_batch_samples)
         self.value_head_start = ValueHeadStartCallback(self) if value_head_start else None
         if self.value_head_start is not None:
@@ -283,22 +289,80 @@ class CausalQwenTrainer(Trainer):
         return {**inputs, "num_numbers_in_batch": self._num_numbers_in_batch}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss, outputs = super().compute_loss(model, self._loss_inputs(inputs, num_items_in_batch), return_outputs=True,
+        loss_inputs = self._loss_inputs(inputs, num_items_in_batch)
+        loss, outputs = super().compute_loss(model, loss_inputs, return_outputs=True,
                                              num_items_in_batch=num_items_in_batch)
-        self._record_loss_parts(model, outputs)
+        self._record_loss_parts(model, loss_inputs, outputs, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
-    def _record_loss_parts(self, model, outputs) -> None:
-        if model.training and isinstance(outputs, dict) and outputs.get("cls_loss") is not None:
-            for name in self._loss_parts:
-                self._loss_parts[name].append(float(outputs[name].detach()))
+    def _loss_scale(self, num_items_in_batch) -> float:
+        """The factor by which `Trainer` turns the model's loss of a micro-batch into its share of the logged loss.
+
+        With `num_items_in_batch` the model's loss is already its share of the step's mean, and Trainer multiplies it
+        by the processes whose shares it later averages; without, Trainer divides it by the accumulation steps.
+        """
+        scale = 1.0
+        kwargs_loss = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+        if self.args.average_tokens_across_devices and kwargs_loss and num_items_in_batch is not None:
+            scale *= self.accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1 else self.args.n_gpu
+        scaled_for_accumulation = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled_for_accumulation is None:
+            scaled_for_accumulation = ((self.model_accepts_loss_kwargs and num_items_in_batch is not None)
+                                       or self.compute_loss_func is not None)
+        if not scaled_for_accumulation:
+            scale /= self.current_gradient_accumulation_steps
+        return scale
+
+    def _record_loss_parts(self, model, inputs: dict, outputs, num_items_in_batch=None) -> None:
+        if not (model.training and isinstance(outputs, dict) and outputs.get("cls_loss") is not None):
+            return
+        scale = self._loss_scale(num_items_in_batch)
+        parts = {"loss": outputs["loss"], "cls_loss": outputs["cls_loss"],
+                 "reg_loss": self._reg_loss_share(model, inputs, outputs["reg_loss"], num_items_in_batch)}
+        for name in _LOSS_PARTS:
+            self._loss_parts[name] = self._loss_parts[name] + parts[name].detach().float().mean() * scale
+        self._loss_part_steps.add(self.state.global_step)
+
+    def _reg_loss_share(self, model, inputs: dict, reg_loss: torch.Tensor, num_items_in_batch) -> torch.Tensor:
+        """The regression part as it enters the micro-batch's loss (`loss.combine_losses`).
+
+        The model reports `reg_loss` as the micro-batch's own mean over its numbers, and `cls_loss` and `loss` as
+        shares of the step's means when given the step's counts; the share of `reg_loss` is its mean times the
+        micro-batch's numbers over the step's (or, given only `num_items_in_batch`, its labelled positions over
+        the step's), so that the three add up over the micro-batches as `loss` does.
+        """
+        numbers = inputs.get("num_numbers_in_batch")
+        items = num_items_in_batch if self.model_accepts_loss_kwargs else None
+        if (numbers is None and items is None) or "labels" not in inputs:
+            return reg_loss
+        targets = next_token_targets(inputs["labels"], shift_labels=inputs.get("shift_labels"))[0]
+        if numbers is not None:
+            num_token_id = self.accelerator.unwrap_model(model).config.num_token_id
+            mine, total = (targets == num_token_id).sum(), numbers
+        else:
+            mine, total = (targets != IGNORE_INDEX).sum(), items
+        total = torch.as_tensor(total, device=reg_loss.device, dtype=reg_loss.dtype)
+        share = reg_loss * mine.to(reg_loss) / torch.where(total > 0, total, torch.ones_like(total))
+        return torch.where(total > 0, share, torch.zeros_like(share))  # an empty count gives 0, as in the loss
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        if "loss" in logs and self._loss_parts["loss"]:
-            # Reporters (TensorBoard, wandb, ...) file every training log under "train/", as Trainer's "loss".
-            for name, key in (("loss", "total_loss"), ("cls_loss", "cls_loss_mean"),
-                              ("reg_loss", "reg_loss_effective")):
-                values = self._loss_parts[name]
-                logs[key] = sum(values) / len(values)
-                values.clear()
+        if "loss" in logs:
+            self._log_loss_parts(logs)
         super().log(logs, *args, **kwargs)
+
+    def _log_loss_parts(self, logs: dict[str, float]) -> None:
+        """Add the loss parts' means since the last log to `logs`, computed as Trainer computes `loss`: each step's
+        sum of micro-batch shares, averaged over the processes, then over the optimizer steps."""
+        steps = len(self._loss_part_steps)
+        parts = torch.stack([torch.as_tensor(self._loss_parts[name], dtype=torch.float32, device=self.args.device)
+                             for name in _LOSS_PARTS] + [torch.tensor(float(steps), device=self.args.device)])
+        self._loss_parts = dict.fromkeys(_LOSS_PARTS, 0.0)
+        self._loss_part_steps.clear()
+        if self.args.world_size > 1:  # every process logs Trainer's `loss`: each takes part in the gather
+            parts = self.accelerator.gather(parts[None]).mean(0)
+        steps = parts[-1].item()
+        if steps == 0:
+            return
+        # Reporters (TensorBoard, wandb, ...) file every training log under "train/", as Trainer's "loss".
+        for value, key in zip(parts[:-1].tolist(), ("total_loss", "cls_loss_mean", "reg_loss_effective"), strict=True):
+            logs[key] = value / steps

@@ -96,3 +96,49 @@ def test_tokenizer_and_collator_put_values_at_num_only(tokenizer):
     tokenizer.padding_side = "right"
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "2.5 times 4?"}], return_dict=True)
     assert all(v == 0 or i == num for i, v in zip(chat["input_ids"], chat["numeric_values"], strict=True))
+
+
+def test_data_file_errors_name_the_file_and_the_line(tmp_path):
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "a"}\n\n{"text": "b"}\n{"text": "c"\n{"text": "d"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"line 4 of .*broken\.jsonl is not valid JSON: Expecting ',' delimiter"):
+        read_examples(broken)
+    # Spreadsheet programs write UTF-8 CSV with a byte-order mark: it is not part of the first column's name.
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes('text,price\n"It costs 5 dollars.",5\n'.encode("utf-8-sig"))
+    assert read_examples(bom) == read_texts(bom) == ["It costs 5 dollars."]
+    bom_lines = tmp_path / "bom.txt"
+    bom_lines.write_bytes("one\ntwo\n".encode("utf-8-sig"))
+    assert read_examples(bom_lines) == ["one", "two"]
+    for name, content, what in (("empty.jsonl", "", "is empty"), ("blank.txt", "\n \n", "has only blank lines"),
+                                ("header.csv", "text\n", "has a header but no rows")):
+        (tmp_path / name).write_text(content, encoding="utf-8")
+        with pytest.raises(ValueError, match=f"data file .*{name} holds no examples: it {what}"):
+            read_examples(tmp_path / name)
+    table = tmp_path / "table.csv"
+    table.write_text('body,n\n"a\nb",1\n\n,2\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"row 0 of .*table\.csv \(line 2\) has no text column 'text' \(its columns: "
+                                         r"'body', 'n'\)"):
+        read_examples(table)
+    with pytest.raises(ValueError, match=r"row 1 of .*table\.csv \(line 5\): column 'body' is empty"):
+        read_examples(table, text_column="body")
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("ok\ncaf\xe9\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin\.txt is not UTF-8 text: line 2"):
+        read_examples(latin)
+    listed = tmp_path / "listed.jsonl"
+    listed.write_text('{"text": "a"}\n[1, 2]\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"line 2 of .*listed\.jsonl holds a JSON list"):
+        read_examples(listed)
+
+
+def test_a_plain_qwen_tokenizer_gives_zero_values(qwen25_dir):
+    from transformers import AutoTokenizer
+
+    plain = AutoTokenizer.from_pretrained(qwen25_dir)
+    text, pair = "It costs 3.5 dollars.", {"prompt": "2 and 2 make", "completion": " 4"}
+    features = tokenize_examples(plain, [text, pair])
+    assert features[0]["input_ids"] == plain(text)["input_ids"]
+    for feature in features:
+        assert feature["numeric_values"] == [0.0] * len(feature["input_ids"])
+        assert feature["attention_mask"] == [1] * len(feature["input_ids"])

@@ -266,3 +266,32 @@ def test_gradient_accumulation_over_micro_batches_without_numbers_equals_one_bat
     assert "action.reg_head.weight" in one
     for name in one:
         torch.testing.assert_close(accumulated[name], one[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_logged_loss_parts_are_on_the_footing_of_loss_under_gradient_accumulation(tmp_path):
+    # Trainer's `loss` is the mean over each optimizer step's labelled positions, however the step is split into
+    # micro-batches; the parts logged beside it must be the same means (not a micro-batch's share of them).
+    from sharded_worker import build_model
+    from sharded_worker import dataset as uneven_dataset
+
+    logs = {}
+    for batch, accumulation in ((4, 1), (1, 4)):
+        args = TrainingArguments(output_dir=str(tmp_path / f"ga{accumulation}"), per_device_train_batch_size=batch,
+                                 gradient_accumulation_steps=accumulation, max_steps=4, learning_rate=1e-2,
+                                 train_sampling_strategy="sequential", report_to=[], use_cpu=True, logging_steps=2,
+                                 save_strategy="no", disable_tqdm=True)
+        model = build_model()
+        trainer = CausalQwenTrainer(model=model, args=args, train_dataset=uneven_dataset(uneven=True),
+                                    data_collator=CausalQwenDataCollator(0), value_head_start=False)
+        trainer.train()
+        logs[accumulation] = [entry for entry in trainer.state.log_history if "total_loss" in entry]
+    assert len(logs[1]) == len(logs[4]) == 2
+    weight = model.config.reg_loss_weight
+    for one, four in zip(logs[1], logs[4], strict=True):
+        assert four["loss"] == pytest.approx(one["loss"], rel=1e-4)
+        for entry in (one, four):
+            assert entry["total_loss"] == pytest.approx(entry["loss"], rel=1e-5)
+            assert entry["total_loss"] == pytest.approx(entry["cls_loss_mean"] + weight * entry["reg_loss_effective"],
+                                                        rel=1e-5)
+        for key in ("cls_loss_mean", "reg_loss_effective"):
+            assert four[key] == pytest.approx(one[key], rel=1e-4), key

@@ -11,8 +11,10 @@ Two forms of example, as most fine-tuning data (and TRL) has them:
 from __future__ import annotations
 
 import csv
+import io
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..labels import IGNORE_INDEX
@@ -27,11 +29,15 @@ def read_examples(path: str | Path, text_column: str = "text", prompt_column: st
     """Examples from a `.jsonl` (one object per line), `.csv` (with a header) or `.txt` file (one text per line).
 
     A `.jsonl`/`.csv` file whose first row has `prompt_column` and `completion_column` gives prompt/completion
-    dicts; otherwise each row's `text_column` is a text.
+    dicts; otherwise each row's `text_column` is a text. Files are read as UTF-8 (a byte-order mark is skipped);
+    blank lines are skipped. A file without examples, a line that is not valid JSON, a row without its column or
+    with an empty text raise a `ValueError` naming the file and the line.
     """
     path, rows = _read_rows(path)
-    if rows and isinstance(rows[0], dict) and prompt_column in rows[0] and completion_column in rows[0]:
-        return [{"prompt": _column(row, prompt_column, path, i), "completion": _column(row, completion_column, path, i)}
+    first = rows[0].value
+    if isinstance(first, dict) and prompt_column in first and completion_column in first:
+        return [{"prompt": _column(row, prompt_column, path, i, allow_empty=True),
+                 "completion": _column(row, completion_column, path, i, allow_empty=True)}
                 for i, row in enumerate(rows)]
     return _texts(rows, text_column, path)
 
@@ -42,31 +48,99 @@ def read_texts(path: str | Path, text_column: str = "text") -> list[str]:
     return _texts(rows, text_column, path)
 
 
-def _texts(rows: list, column: str, path: Path) -> list[str]:
+@dataclass(frozen=True)
+class _Row:
+    """A row of a data file and the line it starts on (1-based, as an editor counts them)."""
+
+    line: int
+    value: str | dict
+
+
+def _texts(rows: list[_Row], column: str, path: Path) -> list[str]:
     """Lines of a `.txt` file as they are; the `column` of each row of a `.jsonl` / `.csv` file."""
-    return [row if isinstance(row, str) else _column(row, column, path, i) for i, row in enumerate(rows)]
+    return [row.value if isinstance(row.value, str) else _column(row, column, path, i) for i, row in enumerate(rows)]
 
 
-def _read_rows(path: str | Path) -> tuple[Path, list]:
-    """The lines of a `.txt` file, or the rows (dicts) of a `.jsonl` / `.csv` file."""
+def _read_rows(path: str | Path) -> tuple[Path, list[_Row]]:
+    """The non-blank lines of a `.txt` file, or the rows (dicts, or JSON strings) of a `.jsonl` / `.csv` file."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"data file {path} does not exist")
+    if not path.is_file():
+        raise ValueError(f"data file {path} is not a file")
     suffix = path.suffix.lower()
-    with path.open(encoding="utf-8") as f:
+    if suffix not in (".txt", ".jsonl", ".csv"):
+        raise ValueError(f"data file {path} must end in .jsonl, .csv or .txt")
+    text = _decode(path)
+    if suffix == ".csv":
+        rows, empty = _csv_rows(text, path), "has a header but no rows"
+    else:
+        # newline=None: "\r\n" and "\r" end lines as a file opened in text mode reads them.
+        lines = [(n, line.rstrip("\n")) for n, line in enumerate(io.StringIO(text, newline=None), start=1)
+                 if line.strip()]
         if suffix == ".txt":
-            return path, [line.rstrip("\n") for line in f if line.strip()]
-        if suffix == ".jsonl":
-            return path, [json.loads(line) for line in f if line.strip()]
-        if suffix == ".csv":
-            return path, list(csv.DictReader(f))
-    raise ValueError(f"data file {path} must end in .jsonl, .csv or .txt")
+            rows = [_Row(n, line) for n, line in lines]
+        else:
+            rows = [_Row(n, _json_line(line, n, path)) for n, line in lines]
+        empty = "has only blank lines"
+    if not text:
+        empty = "is empty"
+    if not rows:
+        raise ValueError(f"data file {path} holds no examples: it {empty}")
+    return path, rows
 
 
-def _column(row, column: str, path: Path, index: int) -> str:
-    if not isinstance(row, dict) or column not in row or not isinstance(row[column], str):
-        raise ValueError(f"row {index} of {path} has no text column {column!r}")
-    return row[column]
+def _decode(path: Path) -> str:
+    """The file's text; "utf-8-sig" drops the byte-order mark that spreadsheet programs write."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = raw[:error.start].count(b"\n") + 1
+        raise ValueError(f"data file {path} is not UTF-8 text: line {line} holds the byte "
+                         f"0x{raw[error.start]:02x} ({error.reason}); save it as UTF-8") from None
+
+
+def _json_line(line: str, number: int, path: Path) -> str | dict:
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"line {number} of {path} is not valid JSON: {error.msg} at column {error.colno}") from None
+    if not isinstance(value, (dict, str)):
+        raise ValueError(f"line {number} of {path} holds a JSON {type(value).__name__}; each line must be an object "
+                         "(or a string, a text)")
+    return value
+
+
+def _csv_rows(text: str, path: Path) -> list[_Row]:
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    rows = []
+    try:
+        for row in reader:
+            if None in row:
+                raise ValueError(f"line {reader.line_num} of {path} has more fields than the header "
+                                 f"({len(reader.fieldnames)})")
+            # line_num is the record's last line; a quoted field may span lines.
+            spanned = sum(value.count("\n") for value in row.values() if isinstance(value, str))
+            rows.append(_Row(reader.line_num - spanned, row))
+    except csv.Error as error:
+        raise ValueError(f"line {reader.line_num} of {path} is not valid CSV: {error}") from None
+    return rows
+
+
+def _column(row: _Row, column: str, path: Path, index: int, allow_empty: bool = False) -> str:
+    where = f"row {index} of {path} (line {row.line})"
+    if not isinstance(row.value, dict) or column not in row.value:
+        columns = ", ".join(map(repr, row.value)) if isinstance(row.value, dict) else "none: the line is a string"
+        raise ValueError(f"{where} has no text column {column!r} (its columns: {columns})")
+    value = row.value[column]
+    if value is None:  # a CSV row with fewer fields than the header
+        raise ValueError(f"{where} has no value in column {column!r}: the row has fewer fields than the header")
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: column {column!r} holds {type(value).__name__} {value!r}, not a string")
+    if not value and not allow_empty:
+        raise ValueError(f"{where}: column {column!r} is empty (a text needs at least one character)")
+    return value
 
 
 def tokenize_examples(tokenizer, examples: Iterable[Example], max_length: int | None = None,
@@ -77,7 +151,8 @@ def tokenize_examples(tokenizer, examples: Iterable[Example], max_length: int | 
     Texts are tokenized as they are (the collator labels every position). A prompt/completion pair is tokenized
     in two parts and joined, the end-of-sequence token appended when `add_eos` (so the model learns to stop);
     labels are −100 on the prompt. `max_length` truncates a text at its end, and a pair at the start of its
-    prompt, so that the completion, which carries the labels, is kept.
+    prompt, so that the completion, which carries the labels, is kept. A tokenizer that does not read numbers (a
+    plain Qwen2 tokenizer) gives `numeric_values` 0 everywhere: its numbers stay digits.
     """
     examples = list(examples)
     texts = [(i, e) for i, e in enumerate(examples) if isinstance(e, str)]
@@ -85,9 +160,10 @@ def tokenize_examples(tokenizer, examples: Iterable[Example], max_length: int | 
     features: list[dict | None] = [None] * len(examples)
     if texts:
         encoded = tokenizer([e for _, e in texts], truncation=max_length is not None, max_length=max_length)
-        keys = [k for k in ("input_ids", "attention_mask", "numeric_values") if k in encoded]
         for row, (i, _) in enumerate(texts):
-            features[i] = {k: list(encoded[k][row]) for k in keys}
+            ids = list(encoded["input_ids"][row])
+            mask = list(encoded["attention_mask"][row]) if "attention_mask" in encoded else [1] * len(ids)
+            features[i] = {"input_ids": ids, "attention_mask": mask, "numeric_values": _values(encoded, row)}
     if pairs:
         for i, pair in pairs:
             if not isinstance(pair, dict) or not isinstance(pair.get("prompt"), str) or not isinstance(
