@@ -32,7 +32,7 @@ from transformers.generation.streamers import BaseStreamer, TextStreamer
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
 from .cauchy import uniform
-from .checks import check_numbers_have_values
+from .checks import check_numbers_have_values, check_values
 from .generation_options import GENERATION_MODES, check_generation_options, resolve_mode
 
 __all__ = [
@@ -401,10 +401,15 @@ class CausalQwenGenerationMixin(GenerationMixin):
         input_ids: torch.LongTensor,
         numeric_values: torch.Tensor | None = None,
         generation_state: CausalGenerationState | None = None,
+        inputs_embeds: torch.Tensor | None = None,
         **kwargs,
     ) -> dict:
-        """Qwen2's preparation, plus the `numeric_values` of the ids this step feeds to the model."""
-        model_inputs = super().prepare_inputs_for_generation(input_ids, **kwargs)
+        """Qwen2's preparation, plus the `numeric_values` of the ids this step feeds to the model.
+
+        A prompt given as `inputs_embeds` is fed as embeddings at the first step (the ids generated after it carry
+        their values as usual); `inputs_embeds` is named here because transformers looks for it in this signature.
+        """
+        model_inputs = super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
         if generation_state is not None:
             model_inputs["generation_state"] = generation_state
             numeric_values = generation_state.sync(input_ids, numeric_values)
@@ -460,6 +465,7 @@ class CausalQwenGenerationMixin(GenerationMixin):
             [`CausalQwenGenerateOutput`] (beam search: [`CausalQwenGenerateBeamOutput`]) that also carries
             `numeric_values` `(B, L)`.
         """
+        _check_prompt_arguments(inputs, kwargs, numeric_values, generator)
         resolved = _resolve_options(self, generation_config, kwargs)
         sampling = resolved.do_sample is True
         asked = kwargs["do_sample"] if "do_sample" in kwargs else getattr(generation_config, "do_sample", None)
@@ -485,11 +491,6 @@ class CausalQwenGenerationMixin(GenerationMixin):
                 inputs, numeric_values, kwargs = _repeat_prompts(copies, inputs, numeric_values, kwargs)
         prompt_ids = inputs if inputs is not None else kwargs.get("input_ids")
         prompt_ids = prompt_ids if isinstance(prompt_ids, torch.Tensor) and prompt_ids.dim() == 2 else None
-        if numeric_values is not None and prompt_ids is not None and numeric_values.shape != prompt_ids.shape:
-            raise ValueError(
-                f"numeric_values must have the shape of the prompt ids {tuple(prompt_ids.shape)}, "
-                f"got {tuple(numeric_values.shape)}"
-            )
         return_dict = kwargs.pop("return_dict_in_generate", resolved.return_dict_in_generate)
         # The numbers come back with the output object: ask for it (on a copy of a config passed, so that transformers
         # does not warn about a config passed together with generation keywords).
@@ -614,6 +615,30 @@ def _resolve_options(model, generation_config, kwargs: dict) -> SimpleNamespace:
     return SimpleNamespace(**{name: values.get(name) for name in names})
 
 
+def _check_prompt_arguments(inputs, kwargs: dict, numeric_values, generator) -> None:
+    """Refuse, naming the argument, a prompt or generator that would fail deep in the loop or be silently ignored.
+
+    `numeric_values` gets the forward's own check (`check_values`) against the prompt ids, before generation
+    repeats or rewrites the prompt.
+    """
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator (a seed goes in as torch.Generator().manual_seed(seed)), got "
+            f"{type(generator).__name__}"
+        )
+    if numeric_values is None:
+        return
+    if kwargs.get("inputs_embeds") is not None:
+        raise ValueError(
+            "numeric_values cannot go with inputs_embeds: the prompt enters the model as embeddings, so its numbers "
+            "must be in them already (model.numeric_embedding(embeds, input_ids, numeric_values) adds them)"
+        )
+    prompt_ids = inputs if inputs is not None else kwargs.get("input_ids")
+    if not isinstance(prompt_ids, torch.Tensor):
+        raise ValueError("numeric_values are the values of the prompt ids: pass the ids as inputs or input_ids")
+    check_values("numeric_values", numeric_values, prompt_ids.shape)
+
+
 def _check_decoding(decoding, mode: str, sampling: bool, num_beams: int, generator, assistant_model,
                     prefill_chunk_size: int | None, shared_individual: bool = False) -> None:
     """Refuse, naming the argument, the decoding strategies that the mode cannot run with its numbers."""
@@ -686,7 +711,8 @@ def _repeat_prompts(copies: int, inputs, numeric_values, kwargs: dict):
     def repeat(x):
         return x.repeat_interleave(copies, dim=0) if isinstance(x, torch.Tensor) else x
 
-    kwargs = {**kwargs, **{k: repeat(kwargs[k]) for k in ("input_ids", "attention_mask") if k in kwargs}}
+    kwargs = {**kwargs, **{k: repeat(kwargs[k]) for k in ("input_ids", "inputs_embeds", "attention_mask")
+                           if k in kwargs}}
     return repeat(inputs), repeat(numeric_values), kwargs
 
 

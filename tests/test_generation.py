@@ -196,6 +196,62 @@ def test_bad_generation_arguments(model, kwargs, match):
         model.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=PAD, **kwargs)
 
 
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(numeric_values=[[0.0] * 8] * 3), "numeric_values must be a floating-point tensor"),
+    (dict(numeric_values=torch.zeros(3, 8, dtype=torch.long)), "numeric_values must be a floating-point tensor"),
+    (dict(mode="causal", generator=42), "generator must be a torch.Generator"),
+    (dict(mode="traditional", do_sample=True, generator=0), "generator must be a torch.Generator"),
+])
+def test_generate_refuses_arguments_of_the_wrong_type_naming_them(model, kwargs, match):
+    ids, mask = left_padded_batch()
+    with pytest.raises(TypeError, match=match):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=PAD, **kwargs)
+    # The forward gives the same refusal for the same values.
+    if "numeric_values" in kwargs:
+        with pytest.raises(TypeError, match=match):
+            model(ids, attention_mask=mask, numeric_values=kwargs["numeric_values"])
+
+
+def test_generate_refuses_values_the_forward_refuses(model):
+    ids, mask = left_padded_batch()
+    values = torch.zeros(ids.shape, dtype=torch.float64)
+    values[0, 4] = math.inf
+    ids[0, 4] = NUM
+    with pytest.raises(ValueError, match="numeric_values must be finite"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=PAD, numeric_values=values)
+    embeds = model.get_input_embeddings()(ids)
+    with pytest.raises(ValueError, match="numeric_values cannot go with inputs_embeds"):
+        model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=2, pad_token_id=PAD,
+                       numeric_values=values.nan_to_num(posinf=1.0))
+
+
+def test_an_inputs_embeds_prompt_generates_as_qwen2_and_as_its_ids(tiny_qwen, model):
+    ids, mask = left_padded_batch()
+    start = ids.shape[1]
+    converted = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM).eval()
+    embeds = tiny_qwen.get_input_embeddings()(ids).detach()
+    expected = tiny_qwen.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                                  pad_token_id=PAD)
+    got = converted.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=10, mode="traditional",
+                             pad_token_id=PAD)
+    assert torch.equal(got, expected)
+    assert torch.equal(got, converted.generate(ids, attention_mask=mask, max_new_tokens=10, mode="traditional",
+                                               pad_token_id=PAD)[:, start:])
+    # Every mode, numbers included: the embeddings of a prompt without numbers give what its ids give.
+    with torch.no_grad():
+        model.action.threshold[NUM] = 0.0  # <NUM> wins at some steps and not at others
+    embeds = model.get_input_embeddings()(ids).detach()
+    for options in (dict(mode="standard"), dict(mode="causal"), dict(mode="traditional", do_sample=True),
+                    dict(mode="causal", num_return_sequences=2)):
+        from_ids = gen(model, ids, mask, seed=4, **options)
+        from_embeds = model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=8, pad_token_id=PAD,
+                                     generator=torch.Generator().manual_seed(4), return_dict_in_generate=True,
+                                     **options)
+        assert torch.equal(from_embeds.sequences, from_ids.sequences[:, start:])
+        torch.testing.assert_close(from_embeds.numeric_values, from_ids.numeric_values[:, start:])
+    assert (from_ids.sequences[:, start:] == NUM).any() and (from_ids.sequences[:, start:] != NUM).any()
+
+
 @pytest.mark.slow
 def test_real_qwen25_traditional_greedy_equals_qwen2(qwen25_dir):
     from transformers import AutoTokenizer
