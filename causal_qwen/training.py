@@ -28,9 +28,10 @@ from transformers import Trainer, TrainerCallback
 from .checks import check_positive_finite
 from .labels import IGNORE_INDEX, next_token_targets
 from .pairing import check_tokenizer_matches
-from .value_head import fit_value_head
+from .value_head import fit_value_head, refit_value_readout
 
-__all__ = ["CausalQwenTrainer", "LEARNING_RATE_SCALES", "ValueHeadStartCallback", "parameter_groups"]
+__all__ = ["CausalQwenTrainer", "LEARNING_RATE_SCALES", "ValueHeadStartCallback", "parameter_groups",
+           "readout_parameters"]
 
 # The parts of the model's loss logged beside Trainer's `loss`, in the order of their log keys.
 _LOSS_PARTS = ("loss", "cls_loss", "reg_loss")
@@ -133,26 +134,85 @@ def parameter_groups(model: nn.Module, learning_rate: float, weight_decay: float
     return sorted(groups.values(), key=lambda group: group["lr"] != learning_rate)
 
 
-class ValueHeadStartCallback(TrainerCallback):
-    """Fit the value head on the training data when training begins (`fit_value_head`), once per model.
+_READOUT = (("action", "reg_head", "weight"), ("action", "reg_head", "bias"), ("action", "reg_log_noise"))
 
-    It does nothing when the model has no value head, was fitted already (`config.value_head_fit`, saved with the
-    checkpoint), or when a run resumes from a checkpoint (global step > 0): the checkpoint's weights hold the fit.
-    The rows come from the training set read in order (the evaluation loader of `trainer.train_dataset`, so it does
-    not consume the random state that shuffles training). Under several processes each reads its own shard and
+
+def readout_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The value read-out's parameters (`w_reg`, `b_reg`, γ_Y's `reg_log_noise`) that train, through PEFT's
+    `modules_to_save` wrapping and `torch.compile`; PEFT's frozen originals are left out."""
+    def is_readout(name: str) -> bool:
+        parts = tuple(_components(name))
+        return any(parts[-len(key):] == key for key in _READOUT)
+
+    return [param for name, param in model.named_parameters() if param.requires_grad and is_readout(name)]
+
+
+class ValueHeadStartCallback(TrainerCallback):
+    """Fit the value head on the training data when training begins (`fit_value_head`), once per model, and keep
+    the read-out fitted to loc_U as training moves it (`refit_readout`, the default).
+
+    The start does nothing when the model has no value head, was fitted already (`config.value_head_fit`, saved with
+    the checkpoint), or when a run resumes from a checkpoint (global step > 0): the checkpoint's weights hold the
+    fit. The rows come from the training set read in order (the evaluation loader of `trainer.train_dataset`, so it
+    does not consume the random state that shuffles training). Under several processes each reads its own shard and
     the fit of process 0 is broadcast, so every replica starts from the same head.
+
+    With `refit_readout` the read-out (`w_reg`, `b_reg`, γ_Y) is held out of the optimizer (`requires_grad` False
+    from this callback's construction to the end of training, so build it before `trainer.train()`), while the
+    features it reads (the numeric embedding, the abduction network) and the `<NUM>` decision train; it is fitted
+    again to the current loc_U ([`refit_value_readout`]) before every evaluation and checkpoint save and at the end
+    of training, so evaluation metrics, saved checkpoints and the trained model never hold a stale read-out. A
+    least-squares read-out does not survive Adam's per-coordinate steps (docs/training.md, "Training keeps the
+    start"). Resuming from a checkpoint keeps it. Under FSDP and DeepSpeed, which split or copy the parameters, the
+    read-out trains as the other heads do (no refit).
 
     Under FSDP or DeepSpeed the engine splits or copies the parameters when training starts, before
     `on_train_begin`; `CausalQwenTrainer.train` then calls `fit_unwrapped` on the bare model first.
+
+        trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collator)
+        trainer.add_callback(ValueHeadStartCallback(trainer))     # plain Trainer: the start and the refits
+        trainer.train()
     """
 
-    def __init__(self, trainer: Trainer, max_positions: int = 4096):
+    def __init__(self, trainer: Trainer, max_positions: int = 4096, refit_readout: bool = True):
+        if not isinstance(refit_readout, bool):
+            raise TypeError(f"refit_readout must be True or False, got {refit_readout!r}")
         self.trainer = trainer
         self.max_positions = max_positions
         self.fit = None
+        sharded = bool(getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False))
+        self.refit_readout = refit_readout and not sharded
+        self.refits: list[tuple[int, object]] = []  # (global step, ValueHeadFit) of each refit
+        self._held: list[nn.Parameter] = []
+        self._refitted_step: int | None = None
+        self.hold_readout()
+
+    def hold_readout(self) -> None:
+        """Take the read-out out of training (`requires_grad` False) until `on_train_end` gives it back."""
+        if not self.refit_readout or not _has_value_head(self.trainer.model):
+            return
+        for param in readout_parameters(self.trainer.model):
+            param.requires_grad_(False)
+            self._held.append(param)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._fit(self.trainer.model if model is None else model, state.global_step > 0)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if control.should_evaluate or control.should_save or state.global_step >= state.max_steps:
+            self._refit(self.trainer.model if model is None else model, state.global_step)
+
+    def on_epoch_end(self, args, state, control, model=None, **kwargs):
+        if control.should_evaluate or control.should_save:
+            self._refit(self.trainer.model if model is None else model, state.global_step)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        model = self.trainer.model if model is None else model
+        if self._refitted_step != state.global_step or args.load_best_model_at_end:
+            self._refit(model, state.global_step)
+        for param in self._held:
+            param.requires_grad_(True)
+        self._held.clear()
 
     def fit_unwrapped(self, model, resuming: bool) -> None:
         """The fit of `on_train_begin`, on the model before a sharding engine wraps it."""
@@ -165,25 +225,49 @@ class ValueHeadStartCallback(TrainerCallback):
             )
         self._fit(model, resuming)
 
-    def _fit(self, model, resuming: bool) -> None:
-        config = getattr(model, "config", None)
-        if (config is None or not getattr(config, "use_numeric", False) or getattr(model, "action", None) is None
-                or config.value_head_fit is not None or resuming):
-            return
+    def _train_rows(self):
         loader = self.trainer.get_eval_dataloader(self.trainer.train_dataset)
         # With persistent workers Trainer keeps the loader under "eval"; evaluation must not find this one there.
         getattr(self.trainer, "_eval_dataloaders", {}).pop("eval", None)
-        self.fit = fit_value_head(model, loader, max_positions=self.max_positions)
+        return loader
+
+    def _fit(self, model, resuming: bool) -> None:
+        config = getattr(model, "config", None)
+        if not _has_value_head(model) or config.value_head_fit is not None or resuming:
+            return
+        self.fit = fit_value_head(model, self._train_rows(), max_positions=self.max_positions)
         _broadcast_value_head(model)
+
+    def _refit(self, model, step: int) -> None:
+        if not self.refit_readout or not _has_value_head(model) or self._refitted_step == step:
+            return
+        fit = refit_value_readout(model, self._train_rows(), max_positions=self.max_positions)
+        _broadcast_readout(model)
+        self.refits.append((step, fit))
+        self._refitted_step = step
+
+
+def _has_value_head(model) -> bool:
+    config = getattr(model, "config", None)
+    return (config is not None and getattr(config, "use_numeric", False)
+            and getattr(model, "action", None) is not None)
+
+
+def _broadcast_readout(model) -> None:
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    action = model.action
+    for param in (action.reg_head.weight, action.reg_head.bias, action.reg_log_noise):
+        if param is not None:
+            torch.distributed.broadcast(param.data, src=0)
 
 
 def _broadcast_value_head(model) -> None:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
     action = model.action
-    for param in (action.reg_head.weight, action.reg_head.bias, action.reg_log_noise, action.cls_head.bias):
-        if param is not None:
-            torch.distributed.broadcast(param.data, src=0)
+    _broadcast_readout(model)
+    torch.distributed.broadcast(action.cls_head.bias.data, src=0)
     # The start changes one row of the [V, C] class head: broadcast that row only.
     row = action.cls_head.weight.data[model.config.num_token_id].clone()
     torch.distributed.broadcast(row, src=0)
@@ -207,14 +291,21 @@ class CausalQwenTrainer(Trainer):
     `value_head_start=True` (the default) fits the value head on the training data before the first step
     ([`ValueHeadStartCallback`], [`fit_value_head`]): without it the median of the value head misses by ~100% for
     hundreds of steps. `False` trains from the head as it is.
+
+    `refit_value_readout=True` (the default, with the start) keeps the value side at least as good as its start:
+    the read-out (`w_reg`, `b_reg`, γ_Y) stays out of the optimizer and is fitted again to the trained loc_U before
+    every evaluation and checkpoint and at the end of training ([`refit_value_readout`]). `False` trains the read-out
+    with the other heads, as before.
     """
 
     def __init__(self, *args, learning_rate_scales: dict[str, float] | None = None, value_head_start: bool = True,
-                 **kwargs):
+                 refit_value_readout: bool = True, **kwargs):
         self.learning_rate_scales = _check_scales(
             LEARNING_RATE_SCALES if learning_rate_scales is None else learning_rate_scales)
         if not isinstance(value_head_start, bool):
             raise TypeError(f"value_head_start must be True or False, got {value_head_start!r}")
+        if not isinstance(refit_value_readout, bool):
+            raise TypeError(f"refit_value_readout must be True or False, got {refit_value_readout!r}")
         super().__init__(*args, **kwargs)
         check_tokenizer_matches(self.model, self.processing_class)
         if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
@@ -227,11 +318,14 @@ class CausalQwenTrainer(Trainer):
         self._loss_parts: dict[str, torch.Tensor | float] = dict.fromkeys(_LOSS_PARTS, 0.0)
         self._loss_part_steps: set[int] = set()
         self._num_numbers_in_batch: torch.Tensor | None = None  # the step's <NUM> targets (get_batch_samples)
-        self.value_head_start = ValueHeadStartCallback(self) if value_head_start else None
+        self.value_head_start = (ValueHeadStartCallback(self, refit_readout=refit_value_readout)
+                                 if value_head_start else None)
         if self.value_head_start is not None:
             self.add_callback(self.value_head_start)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if self.value_head_start is not None:
+            self.value_head_start.hold_readout()  # before Trainer builds the optimizer (again, on a second call)
         if self.value_head_start is not None and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             # FSDP shards the parameters, DeepSpeed copies them into its optimizer, when training starts: fit first.
             self.value_head_start.fit_unwrapped(self.model, resuming=bool(resume_from_checkpoint))

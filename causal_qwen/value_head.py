@@ -37,7 +37,8 @@ from .cauchy import linear, transform_values
 from .checks import check_positive_finite
 from .labels import IGNORE_INDEX, next_token_targets
 
-__all__ = ["ValueHeadFit", "fit_value_head", "num_decision_start", "ridge_readout", "value_head_rows"]
+__all__ = ["ValueHeadFit", "fit_value_head", "known_next_tokens", "num_decision_start", "refit_value_readout",
+           "ridge_readout", "value_head_rows"]
 
 PENALTIES = (0.1, 1.0, 10.0, 100.0, 1000.0, 10000.0)
 """Ridge penalties tried, on features standardised to unit variance (the penalty is in units of positions)."""
@@ -98,6 +99,30 @@ def _rival_margin(action, loc: torch.Tensor, scale: torch.Tensor, num_id: int, c
     return torch.cat(rivals)
 
 
+def known_next_tokens(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The next token of every position where it is known, `[B, S]`, `IGNORE_INDEX` elsewhere.
+
+    Where a position has a label, the label; where it has none (a prompt, labels −100) but it and the next position
+    are part of the same text (both attended, and the next does not restart `position_ids` at 0), the next input
+    id: the decision to write `<NUM>` learns from every token the text shows, not only from the labelled ones. With
+    prompt/completion data whose completion is one number, the labels alone hold one `<NUM>` and one end of text
+    per example, and the prompt's own next tokens are the negatives that say where a number does *not* come.
+    """
+    targets, _ = next_token_targets(batch["labels"])
+    ids = batch["input_ids"].to(targets.device)
+    following = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=IGNORE_INDEX)
+    known = torch.ones_like(ids, dtype=torch.bool)
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        mask = mask.to(targets.device).bool()
+        known &= mask & torch.nn.functional.pad(mask[:, 1:], (0, 1), value=False)
+    positions = batch.get("position_ids")
+    if positions is not None:
+        known &= torch.nn.functional.pad(positions.to(targets.device)[:, 1:] != 0, (0, 1), value=False)
+    known[:, -1] = False
+    return torch.where(targets != IGNORE_INDEX, targets, torch.where(known, following, IGNORE_INDEX))
+
+
 @torch.no_grad()
 def _read_rows(model, batches: Iterable[Mapping[str, torch.Tensor]], max_positions: int,
                max_decision_positions: int = 0) -> _StartRows:
@@ -120,14 +145,15 @@ def _read_rows(model, batches: Iterable[Mapping[str, torch.Tensor]], max_positio
         ys.append(next_values[where].double().cpu())
         count += int(where.sum())
         if decided < max_decision_positions:
-            labelled = (targets != IGNORE_INDEX).to(device)
-            loc, scale = action.head_inputs(out.loc_U[labelled], out.scale_U[labelled])
+            following = known_next_tokens(batch)
+            known = following != IGNORE_INDEX
+            loc, scale = action.head_inputs(out.loc_U[known.to(device)], out.scale_U[known.to(device)])
             keep = max_decision_positions - decided
             loc, scale = loc[:keep], scale[:keep]
             us.append(loc.double().cpu())
             u_scales.append(scale.double().cpu())
             rivals.append(_rival_margin(action, loc, scale, num_id))
-            labels.append(where[labelled.cpu()][:keep].cpu())
+            labels.append((following[known] == num_id)[:keep].cpu())
             decided += len(loc)
         if count >= max_positions and decided >= max_decision_positions:
             break
@@ -294,6 +320,50 @@ def ridge_readout(
     return weight, bias, float(penalty), float(error)
 
 
+def _write_readout(model, x: torch.Tensor, y: torch.Tensor, penalties: Sequence[float],
+                   ) -> tuple[float, float, float | None]:
+    """Write the ridge read-out of `y` on `x` into `w_reg`, `b_reg` and γ_Y; `(penalty, LOO error, γ_Y or None)`."""
+    action = model.action
+    weight, bias, penalty, error = ridge_readout(x, y, penalties)
+    action.reg_head.weight.copy_(weight.to(action.reg_head.weight)[None])
+    action.reg_head.bias.fill_(bias)
+    noise = None
+    if action.reg_log_noise is not None:
+        noise = max(error, model.config.scale_min)
+        action.reg_log_noise.fill_(math.log(noise))
+    return penalty, error, noise
+
+
+@torch.no_grad()
+def refit_value_readout(
+    model,
+    batches: Iterable[Mapping[str, torch.Tensor]],
+    *,
+    penalties: Sequence[float] = PENALTIES,
+    max_positions: int = 4096,
+) -> ValueHeadFit:
+    """Fit `w_reg`, `b_reg` and γ_Y again, as [`fit_value_head`] does, to loc_U as the model computes it now.
+
+    Training moves loc_U (the numeric embedding, the abduction network), and a least-squares read-out with small,
+    precise coefficients does not follow it under Adam: on Qwen2.5-0.5B 10 steps moved `w_reg` by 2.7 times its own
+    norm and left the held-out value error at 0.41 where the read-out fitted again to the trained loc_U gives 0.06
+    (docs/experiments.md). `CausalQwenTrainer` therefore holds the read-out out of the optimizer and calls this before
+    every evaluation and checkpoint and at the end of training ([`ValueHeadStartCallback`]). The `<NUM>` decision
+    and `config.value_head_fit` (the record of the start) are left as they are.
+    """
+    if not getattr(model.config, "use_numeric", False) or getattr(model, "action", None) is None:
+        raise ValueError("refit_value_readout needs a CausalQwen model with use_numeric=True (it has a value head)")
+    was_training = model.training
+    model.eval()
+    try:
+        rows = _read_rows(model, batches, max_positions)
+    finally:
+        model.train(was_training)
+    penalty, error, noise = _write_readout(model, rows.x, rows.y, penalties)
+    return ValueHeadFit(positions=int(rows.x.shape[0]), penalty=penalty, loo_median_abs_error=error,
+                        regression_noise=noise)
+
+
 @torch.no_grad()
 def fit_value_head(
     model,
@@ -339,13 +409,7 @@ def fit_value_head(
         rows = _read_rows(model, batches, max_positions, max_decision_positions if num_row else 0)
     finally:
         model.train(was_training)
-    weight, bias, penalty, error = ridge_readout(rows.x, rows.y, penalties)
-    action.reg_head.weight.copy_(weight.to(action.reg_head.weight)[None])
-    action.reg_head.bias.fill_(bias)
-    noise = None
-    if action.reg_log_noise is not None:
-        noise = max(error, model.config.scale_min)
-        action.reg_log_noise.fill_(math.log(noise))
+    penalty, error, noise = _write_readout(model, rows.x, rows.y, penalties)
     decision = {}
     if num_row:
         num_id = model.config.num_token_id
