@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import weakref
 
 from huggingface_hub.dataclasses import strict
 from transformers import Qwen2Config
@@ -23,6 +24,25 @@ _INT_FIELDS = {"num_token_id": 0, "causal_size": 1, "conversion_seed": 0}
 _INIT_KEYWORDS = ("attn_implementation", "experts_implementation", "output_attentions", "num_labels", "torch_dtype",
                   "rope_theta", "rope_scaling", "name_or_path")
 _CHECKED_FIELDS = frozenset((*_FLOAT_FIELDS, *_BOOL_FIELDS, *_INT_FIELDS, "value_transform", "value_head_fit"))
+# Fields that fill a model's tensors or decide its modules when it is built (the rest are read at every use). Once a
+# model is built on a config, assigning one of them goes through that model, which applies or refuses it.
+MODEL_FIELDS = frozenset(("ovr_threshold", "noise_init", "abduction_scale_init", "regression_noise", "use_numeric",
+                          "causal_size", "learnable_threshold", "abduction_anchor_weight"))
+# The models built on each live config, by its id (a config is not hashable); an entry goes with its config.
+_MODELS_OF_CONFIG: dict[int, weakref.WeakSet] = {}
+
+
+def bind_model(config: CausalQwenConfig, model) -> None:
+    """Route later assignments of `MODEL_FIELDS` on `config` through `model`.
+
+    `model` has `_config_field_changing(name, old, new)`, which raises to refuse the change, and
+    `_config_field_changed(name)`, which applies it to its tensors.
+    """
+    key = id(config)
+    if key not in _MODELS_OF_CONFIG:
+        _MODELS_OF_CONFIG[key] = weakref.WeakSet()
+        weakref.finalize(config, _MODELS_OF_CONFIG.pop, key, None)
+    _MODELS_OF_CONFIG[key].add(model)
 
 
 @strict
@@ -133,7 +153,14 @@ class CausalQwenConfig(Qwen2Config):
         # which `@strict` does not check: these checks raise a plain TypeError/ValueError that names the field.
         if name in _CHECKED_FIELDS:
             self._check_field(name, value)
+        models = []
+        if name in MODEL_FIELDS and value != self.__dict__.get(name, value):
+            models = list(_MODELS_OF_CONFIG.get(id(self), ()))
+        for model in models:
+            model._config_field_changing(name, getattr(self, name), value)
         super().__setattr__(name, value)
+        for model in models:
+            model._config_field_changed(name)
 
     def _check_field(self, name: str, value) -> None:
         if name in _BOOL_FIELDS:

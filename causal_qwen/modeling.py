@@ -7,6 +7,7 @@ every use of the heads, the loss included), the pretrained-model base with its i
 
 # No `from __future__ import annotations` here: transformers reads the forward's `**kwargs: Unpack[TransformersKwargs]`
 # annotation at run time (e.g. to tell whether the model can return attentions), which a string would hide.
+import contextvars
 import copy
 import math
 import os
@@ -27,12 +28,38 @@ from transformers.utils import ModelOutput, TransformersKwargs, can_return_tuple
 from . import cauchy
 from .cauchy import kl_divergence, quantile, symlog, untransform_values
 from .checks import check_forward_inputs, check_forward_replacement
-from .configuration import CausalQwenConfig
+from .configuration import CausalQwenConfig, bind_model
 from .conversion import convert_qwen
 from .generation import CausalGenerationState, CausalQwenGenerationMixin
 from .labels import IGNORE_INDEX, next_token_targets
 from .loss import LossOptions, causal_qwen_loss, fused_causal_qwen_loss, safe_mean
 from .modelcard import write_model_card
+
+# Fields that decide a model's modules when it is built: a built model cannot follow an edit of them.
+_MODULE_FIELDS = {
+    "use_numeric": "whether the model has a numeric embedding and a regression head",
+    "causal_size": "the size of the abduction and action layers",
+    "learnable_threshold": "whether action.threshold is a trainable parameter",
+}
+# Fields that only fill tensors when a model is built, and those tensors: an edit of the field (or a value given to
+# `from_pretrained`) fills them again, so that the model is the one its config describes.
+_FILLED_TENSORS = {
+    "ovr_threshold": ("action.threshold",),
+    "noise_init": ("action.b_noise",),
+    "abduction_scale_init": ("abduction.scale_net.weight", "abduction.scale_net.bias"),
+    "regression_noise": ("action.reg_log_noise",),
+}
+# The top-level modules of CausalQwen's own tensors (the rest, `model.*`, is the Qwen2 backbone).
+_OWN_MODULES = ("numeric_embedding", "abduction", "abduction_anchor", "action")
+_MISSING_KEY_HINTS = {
+    "action.reg_log_noise": ". A checkpoint saved without a value noise is the model of regression_noise=0.0: load it "
+                            "with from_pretrained(..., regression_noise=0.0), or with a positive value to start one",
+    "abduction_anchor.": ". The anchor is made by model.enable_abduction_finetuning(weight) after loading; load with "
+                         "abduction_anchor_weight=0.0",
+}
+# The fields whose tensors the `from_pretrained` call under way fills from the config; None when it refuses no missing
+# key (not under way, or given the tensors as `state_dict=` rather than a checkpoint).
+_LOAD_FILLS: contextvars.ContextVar[frozenset | None] = contextvars.ContextVar("causal_qwen_load_fills", default=None)
 
 __all__ = [
     "CausalQwenOutput", "CausalQwenActionOutput", "CausalQwenNumericEmbedding", "CausalQwenAbduction",
@@ -92,7 +119,7 @@ class CausalQwenNumericEmbedding(nn.Module):
 
     def __init__(self, config: CausalQwenConfig):
         super().__init__()
-        self.num_token_id = config.num_token_id
+        self.config = config
         self.w_num = nn.Parameter(torch.zeros(config.hidden_size))
         self.d_num = nn.Parameter(torch.zeros(config.hidden_size))
 
@@ -128,6 +155,11 @@ class CausalQwenNumericEmbedding(nn.Module):
             embeds = embeds + magnitude.unsqueeze(-1) * self.w_num.to(inputs_embeds.dtype)
         return embeds
 
+    @property
+    def num_token_id(self) -> int | None:
+        """`config.num_token_id`, read at every use so that the model follows its config."""
+        return self.config.num_token_id
+
 
 class CausalQwenAbduction(nn.Module):
     """Infer the individual U ~ Cauchy(loc_U, scale_U) from the backbone's features z.
@@ -139,7 +171,12 @@ class CausalQwenAbduction(nn.Module):
         super().__init__()
         self.loc_net = nn.Linear(config.hidden_size, config.causal_size)
         self.scale_net = nn.Linear(config.hidden_size, config.causal_size)
-        self.scale_min = config.scale_min
+        self.config = config
+
+    @property
+    def scale_min(self) -> float:
+        """`config.scale_min`, read at every use: an edit of the config applies at once."""
+        return self.config.scale_min
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`[B, S, H]` → `(loc_U, scale_U)`, each `[B, S, C]`."""
@@ -199,9 +236,13 @@ class CausalQwenAction(nn.Module):
             self.threshold = nn.Parameter(threshold)
         else:
             self.register_buffer("threshold", threshold, persistent=True)
-        self.scale_min = config.scale_min
         if _deepspeed_zero3_enabled():
             self.register_zero3_heads()
+
+    @property
+    def scale_min(self) -> float:
+        """`config.scale_min`, read at every use: an edit of the config applies at once."""
+        return self.config.scale_min
 
     def register_zero3_heads(self) -> None:
         """Tell DeepSpeed ZeRO-3 to gather the heads' parameters around this module's forward and backward.
@@ -415,6 +456,21 @@ def _sharded_training() -> bool:
     return nn.parallel.DistributedDataParallel._get_active_ddp_module() is None
 
 
+def _fields_changed_from_saved(args: tuple, kwargs: dict) -> frozenset:
+    """The tensor-filling fields in which a `config=` given to `from_pretrained` differs from the checkpoint's."""
+    config = kwargs.get("config")
+    path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+    if not isinstance(config, CausalQwenConfig) or path is None:
+        return frozenset()
+    hub = {key: kwargs[key] for key in ("cache_dir", "force_download", "proxies", "local_files_only", "token",
+                                        "revision", "subfolder") if key in kwargs}
+    try:
+        saved, _ = CausalQwenConfig.get_config_dict(path, **hub)
+    except OSError:  # no config.json beside the weights: nothing to compare with
+        return frozenset()
+    return frozenset(name for name in _FILLED_TENSORS if name in saved and saved[name] != getattr(config, name))
+
+
 def inverse_softplus(y: float) -> float:
     """softplus⁻¹(y) = log(expm1(y)), written as y + log(−expm1(−y)) so that large y cannot overflow."""
     return y + math.log(-math.expm1(-y))
@@ -490,6 +546,39 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
         self.abduction_anchor = CausalQwenAbduction(config) if config.abduction_anchor_weight > 0 else None
         self.post_init()
         self.apply_freeze_backbone()
+        bind_model(config, self)
+
+    def __setstate__(self, state) -> None:
+        # A copy (copy.deepcopy, pickle) has a config of its own, whose edits must reach the copy.
+        super().__setstate__(state)
+        bind_model(self.config, self)
+
+    def _config_field_changing(self, name: str, old, new) -> None:
+        """Refuse an edit of `config.<name>` that the built model cannot follow: the field decides its modules."""
+        if name in _MODULE_FIELDS or (name == "regression_noise" and (old > 0) != (new > 0)):
+            what = _MODULE_FIELDS.get(name, "whether action.reg_log_noise exists (0 or not)")
+            raise ValueError(
+                f"{name} decides {what} when the model is built, and this config belongs to a built model: "
+                f"build the model with {name}={new!r} instead (CausalQwenForCausalLM.from_qwen(..., {name}=...), or "
+                f"from_pretrained(..., {name}=...))"
+            )
+        if name == "abduction_anchor_weight" and new > 0 and self.abduction_anchor is None:
+            raise ValueError("abduction_anchor_weight > 0 needs the frozen anchor copy of the abduction network, which "
+                             f"this model has not got: call model.enable_abduction_finetuning({new!r})")
+
+    @torch.no_grad()
+    def _config_field_changed(self, name: str) -> None:
+        """Fill the tensors that `config.<name>` initialises from its new value (docs/api.md, CausalQwenConfig)."""
+        config = self.config
+        if name == "ovr_threshold":
+            self.action.threshold.fill_(float(config.ovr_threshold))
+        elif name == "noise_init":
+            self.action.b_noise.fill_(config.noise_init)
+        elif name == "abduction_scale_init":
+            self.abduction.scale_net.weight.zero_()
+            self.abduction.scale_net.bias.fill_(inverse_softplus(config.abduction_scale_init))
+        elif name == "regression_noise" and self.action.reg_log_noise is not None:
+            self.action.reg_log_noise.fill_(math.log(config.regression_noise))
 
     @can_return_tuple
     def forward(
@@ -659,13 +748,14 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
         """
         if not anchor_weight >= 0:
             raise ValueError(f"anchor_weight must be a non-negative number, got {anchor_weight}")
-        self.config.abduction_anchor_weight = float(anchor_weight)
         self.requires_grad_(False)
         self.abduction.requires_grad_(True)
         if anchor_weight == 0:
             self.abduction_anchor = None
         elif self.abduction_anchor is None or reset_anchor:
-            self.abduction_anchor = copy.deepcopy(self.abduction).requires_grad_(False)
+            # The copy shares the model's config (the memo), so that it follows later edits of scale_min.
+            self.abduction_anchor = copy.deepcopy(self.abduction, {id(self.config): self.config}).requires_grad_(False)
+        self.config.abduction_anchor_weight = float(anchor_weight)
 
     def apply_freeze_backbone(self) -> None:
         """Set `requires_grad` of the backbone from `config.freeze_backbone`, and keep any anchor frozen."""
@@ -701,11 +791,49 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        # Loading replaces the parameters that `__init__` froze, so freeze again once they are in place.
-        model = super().from_pretrained(*args, **kwargs)
+        """`PreTrainedModel.from_pretrained`, with two differences that keep the model what its config says.
+
+        A field that only fills tensors when the model is built (`ovr_threshold`: `action.threshold`, `noise_init`:
+        `action.b_noise`, `abduction_scale_init`: `abduction.scale_net`, `regression_noise`: `action.reg_log_noise`),
+        given here, fills them from the value given, over the checkpoint's; so does a `config=` whose value differs
+        from the saved config's. And a checkpoint that lacks one of CausalQwen's own tensors (numeric embedding,
+        abduction, anchor, heads, threshold) raises a `ValueError` naming them, instead of their being drawn afresh
+        (the backbone's keys, a checkpoint of the backbone alone, and tensors given as `state_dict=` behave as in
+        transformers).
+        """
+        given = frozenset(name for name in _FILLED_TENSORS if name in kwargs)
+        filled = given | _fields_changed_from_saved(args, kwargs)
+        # Tensors passed as `state_dict=` are the caller's choice, partial or not, as in transformers.
+        token = _LOAD_FILLS.set(filled if kwargs.get("state_dict") is None else None)
+        try:
+            result = super().from_pretrained(*args, **kwargs)
+        finally:
+            _LOAD_FILLS.reset(token)
+        model = result[0] if isinstance(result, tuple) else result
         if isinstance(model, CausalQwenForCausalLM):
+            # Loading replaces the parameters that `__init__` froze, so freeze again once they are in place.
             model.apply_freeze_backbone()
-        return model
+            for name in sorted(filled):
+                model._config_field_changed(name)
+        return result
+
+    def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
+        super()._adjust_missing_and_unexpected_keys(loading_info)
+        fills = _LOAD_FILLS.get()
+        if fills is None:
+            return
+        own = {key for key in self.state_dict() if key.split(".", 1)[0] in _OWN_MODULES}
+        refilled = {key for name in fills for key in _FILLED_TENSORS[name]}
+        missing = sorted(key for key in loading_info.missing_keys if key in own and key not in refilled)
+        # A checkpoint without any causal tensor is a backbone's (Qwen2's, or CausalQwenModel's): its heads start as a
+        # new model's, reported as missing, as transformers does for a base model loaded into a class with a head.
+        if missing and own - set(loading_info.missing_keys):
+            hints = [hint for prefix, hint in _MISSING_KEY_HINTS.items() if any(k.startswith(prefix) for k in missing)]
+            raise ValueError(
+                f"the checkpoint lacks CausalQwen tensors the model needs: {', '.join(missing)}. They would be drawn "
+                "afresh, giving another model; load a checkpoint saved by CausalQwenForCausalLM (or convert a Qwen2 "
+                "one with CausalQwenForCausalLM.from_qwen) with the config that saved it" + "".join(hints)
+            )
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`, plus a model card (README.md) when the folder has none.

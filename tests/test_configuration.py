@@ -133,3 +133,107 @@ def test_from_qwen_rejects_unknown_keywords(tiny_qwen):
                                             attn_implementation="eager")
     assert model.config.ovr_threshold == 3.0 and model.config.use_cache is False
     assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).loc_S).all()
+
+
+def _saved(tmp_path, tiny_qwen, **fields):
+    model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM, **fields)
+    model.save_pretrained(tmp_path)
+    return model
+
+
+def test_a_field_given_to_from_pretrained_fills_the_tensors_it_initialises(tmp_path, tiny_qwen):
+    _saved(tmp_path, tiny_qwen, learnable_threshold=True)
+    loaded = CausalQwenForCausalLM.from_pretrained(tmp_path, ovr_threshold=20.0, noise_init=0.25,
+                                                   abduction_scale_init=0.5, regression_noise=0.125)
+    assert isinstance(loaded.action.threshold, torch.nn.Parameter)
+    assert (loaded.config.ovr_threshold, loaded.config.noise_init) == (20.0, 0.25)
+    assert torch.equal(loaded.action.threshold, torch.full((128,), 20.0))
+    assert torch.equal(loaded.action.b_noise.detach(), torch.full((32,), 0.25))
+    assert loaded.action.reg_log_noise.exp().item() == pytest.approx(0.125)
+    out = loaded(torch.tensor([[1, 2, 3]]))
+    torch.testing.assert_close(out.scale_U, torch.full_like(out.scale_U, 0.5))
+    # What it saves now loads as the same model.
+    loaded.save_pretrained(tmp_path / "again")
+    again = CausalQwenForCausalLM.from_pretrained(tmp_path / "again")
+    assert again.config.ovr_threshold == 20.0 and torch.equal(again.action.threshold, loaded.action.threshold)
+    # So does a config object whose value differs from the saved one; one that agrees keeps the loaded tensor.
+    with torch.no_grad():
+        loaded.action.threshold[:3] = -1.0
+    loaded.save_pretrained(tmp_path / "learned")
+    config = CausalQwenConfig.from_pretrained(tmp_path / "learned")
+    kept = CausalQwenForCausalLM.from_pretrained(tmp_path / "learned", config=config)
+    assert kept.action.threshold[0].item() == -1.0 and kept.action.threshold[5].item() == 20.0
+    config.ovr_threshold = 4.0
+    assert torch.equal(CausalQwenForCausalLM.from_pretrained(tmp_path / "learned", config=config).action.threshold,
+                       torch.full((128,), 4.0))
+    # A regression noise the checkpoint had not (0 when saved) is created at the value given.
+    _saved(tmp_path / "quiet", tiny_qwen, regression_noise=0.0)
+    noisy = CausalQwenForCausalLM.from_pretrained(tmp_path / "quiet", regression_noise=0.5)
+    assert noisy.action.reg_log_noise.exp().item() == pytest.approx(0.5)
+
+
+def test_an_edit_of_the_config_reaches_the_live_model_or_is_refused(tmp_path, tiny_qwen):
+    model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM).eval()
+    ids = torch.tensor([[1, 2, 3]])
+    model.config.ovr_threshold = 20.0
+    assert torch.equal(model.action.threshold, torch.full((128,), 20.0))
+    model.config.noise_init = 0.25
+    assert torch.equal(model.action.b_noise.detach(), torch.full((32,), 0.25))
+    model.config.abduction_scale_init = 0.5
+    model.config.regression_noise = 0.125
+    assert model.action.reg_log_noise.exp().item() == pytest.approx(0.125)
+    with torch.no_grad():
+        before = model(ids)
+    torch.testing.assert_close(before.scale_U, torch.full_like(before.scale_U, 0.5))
+    # The floor applies at once, in the abduction network and in both heads.
+    model.config.scale_min = 1.0
+    with torch.no_grad():
+        out = model(ids)
+    for scale in (out.scale_U, out.scale_S, out.scale_Y):
+        assert scale.min().item() >= 1.0
+    # A field that decides the modules is refused, and the config keeps its value.
+    for name, value in (("use_numeric", False), ("learnable_threshold", True), ("regression_noise", 0.0),
+                        ("abduction_anchor_weight", 0.5)):
+        kept = getattr(model.config, name)
+        with pytest.raises(ValueError, match=name):
+            setattr(model.config, name, value)
+        assert getattr(model.config, name) == kept
+    # The saved model is the live one.
+    model.save_pretrained(tmp_path)
+    with torch.no_grad():
+        reloaded = CausalQwenForCausalLM.from_pretrained(tmp_path)(ids)
+    torch.testing.assert_close(reloaded.loc_S, out.loc_S)
+    torch.testing.assert_close(reloaded.scale_S, out.scale_S)
+    torch.testing.assert_close(reloaded.scale_U, out.scale_U)
+    # A copy follows its own config; a config copied off the model is free again.
+    copied = copy.deepcopy(model)
+    copied.config.ovr_threshold = 3.0
+    assert copied.action.threshold[0].item() == 3.0 and model.action.threshold[0].item() == 20.0
+    free = copy.deepcopy(model.config)
+    free.use_numeric, free.regression_noise = False, 0.0
+    assert not CausalQwenForCausalLM(free).config.use_numeric
+
+
+def test_a_checkpoint_missing_a_causal_tensor_is_refused(tmp_path, tiny_qwen):
+    from safetensors.torch import load_file, save_file
+
+    _saved(tmp_path, tiny_qwen)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    for key in ("action.threshold", "action.reg_head.weight", "numeric_embedding.w_num", "abduction.scale_net.bias"):
+        save_file({k: v for k, v in tensors.items() if k != key}, path, metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+            CausalQwenForCausalLM.from_pretrained(tmp_path)
+    # A checkpoint without a value noise is the model of regression_noise=0, which the error says.
+    save_file({k: v for k, v in tensors.items() if k != "action.reg_log_noise"}, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"regression_noise=0\.0"):
+        CausalQwenForCausalLM.from_pretrained(tmp_path)
+    assert CausalQwenForCausalLM.from_pretrained(tmp_path, regression_noise=0.0).action.reg_log_noise is None
+    # A backbone key keeps transformers' behaviour (initialised, reported as missing), and so does a checkpoint of the
+    # backbone alone (a base model loaded into the class with the heads).
+    save_file({k: v for k, v in tensors.items() if k.startswith("model.")}, path, metadata={"format": "pt"})
+    _, info = CausalQwenForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert "action.threshold" in info["missing_keys"] and not any(k.startswith("model.") for k in info["missing_keys"])
+    save_file({k: v for k, v in tensors.items() if k != "model.norm.weight"}, path, metadata={"format": "pt"})
+    _, info = CausalQwenForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert info["missing_keys"] == {"model.norm.weight"}
