@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -89,6 +90,7 @@ class CausalQwenTokenizer(Qwen2Tokenizer):
     def _encode_plus(self, *args, **kwargs) -> BatchEncoding:
         # The one switch of encoding: `__call__`, `encode`, `tokenize` and the chat template all come here, and the
         # text-only tokenizer stays the Qwen2 tokenizer, untouched.
+        _check_max_length(kwargs.get("max_length"))
         if not self.use_numeric:
             return super()._encode_plus(*args, **kwargs)
         return self._encode_numbers(*args, **kwargs)
@@ -355,6 +357,17 @@ class CausalQwenTokenizer(Qwen2Tokenizer):
             sequences, skip_special_tokens=skip_special_tokens, numeric_values=numeric_values, **kwargs
         )
         return [decoded] if isinstance(decoded, str) else decoded
+
+
+def _check_max_length(max_length: Any) -> None:
+    """A `max_length` of at least one id: 0 would truncate every text to nothing, which fails only much later."""
+    if max_length is None:
+        return
+    if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral):
+        raise TypeError(f"max_length must be a positive int or None, got {type(max_length).__name__}")
+    if max_length < 1:
+        raise ValueError(f"max_length must be a positive int or None, got {max_length}: it would truncate every text "
+                         "to nothing")
 
 
 def _as_text_batch(text: str | Sequence[str]) -> tuple[list[str], bool]:
