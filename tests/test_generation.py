@@ -252,6 +252,23 @@ def test_an_inputs_embeds_prompt_generates_as_qwen2_and_as_its_ids(tiny_qwen, mo
     assert (from_ids.sequences[:, start:] == NUM).any() and (from_ids.sequences[:, start:] != NUM).any()
 
 
+@pytest.mark.parametrize("mode", ["standard", "causal", "traditional"])
+def test_a_right_padded_batch_warns_as_qwen2_does(tiny_qwen, model, mode):
+    from transformers.generation.utils import logger
+    from transformers.testing_utils import CaptureLogger
+
+    ids, mask = left_padded_batch()
+    right_ids, right_mask = ids.flip(1), mask.flip(1)
+    warnings = {}
+    for name, generator, options, batch in (("qwen2", tiny_qwen, {}, (right_ids, right_mask)),
+                                            ("ours", model, dict(mode=mode), (right_ids, right_mask)),
+                                            ("ours, left", model, dict(mode=mode), (ids, mask))):
+        with CaptureLogger(logger) as captured:
+            generator.generate(batch[0], attention_mask=batch[1], max_new_tokens=2, pad_token_id=PAD, **options)
+        warnings[name] = "right-padding was detected" in captured.out
+    assert warnings == {"qwen2": True, "ours": True, "ours, left": False}
+
+
 @pytest.mark.slow
 def test_real_qwen25_traditional_greedy_equals_qwen2(qwen25_dir):
     from transformers import AutoTokenizer
