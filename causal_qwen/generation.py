@@ -537,8 +537,10 @@ class CausalQwenGenerationMixin(GenerationMixin):
         Generate with transformers' loop in one of the modes of docs/design.md §5.
 
         Args:
-            inputs (`torch.LongTensor` of shape `(B, S)`): the prompt ids (left-padded for batches).
-            numeric_values (`torch.Tensor` of shape `(B, S)`, *optional*): the prompt's numbers.
+            inputs (`torch.LongTensor` of shape `(B, S)`): the prompt ids (left-padded for batches). A prompt of
+                embeddings goes in as `inputs_embeds=` (a keyword), without `numeric_values`.
+            numeric_values (`torch.Tensor` of shape `(B, S)`, *optional*): the prompt's numbers, float, checked as
+                the forward checks them.
             mode (`str`, *optional*):
                 `"standard"`: argmax of the OvR probabilities; numbers are the median `loc_Y`.
                 `"causal"`: sample the individual u = loc_U + scale_U·tan(π(ε − ½)) and decide under the
@@ -551,13 +553,15 @@ class CausalQwenGenerationMixin(GenerationMixin):
                 `shared_individual`, and give the mode's own output.
             shared_individual (`bool`): `causal` mode only.
             shared_noise (`bool`): `standard` mode only; one ε_noise ~ Cauchy(0, 1) per sequence shifts U.
-            generator (`torch.Generator`, *optional*): drives every random draw (ε is drawn as
-                `torch.rand(B, C)` from it, and traditional sampling draws its tokens from it), so a seed
-                reproduces a generation; torch's global RNG is left untouched.
+            generator (`torch.Generator`, *optional*; a bare seed is a `TypeError`): drives every random draw
+                (ε is drawn as `torch.rand(B, C)` from it, and traditional sampling draws its tokens from it), so a
+                seed reproduces a generation; torch's global RNG is left untouched.
             output_value_scores (`bool`): with `return_dict_in_generate=True`, also return the per-step
                 `loc_Y` and `scale_Y`.
             **kwargs: everything `GenerationMixin.generate` takes (`attention_mask`, `max_new_tokens`,
                 `eos_token_id`, `streamer`, `return_dict_in_generate`, `num_beams`, `assistant_model`, ...).
+                `stop_strings` (with `tokenizer=` the `CausalQwenTokenizer`) are matched in the text with the
+                generated numbers written as digits ([`StopStringsWithNumbers`]).
 
         Returns:
             The ids `(B, L)` as Qwen2 returns them, or with `return_dict_in_generate=True` a
