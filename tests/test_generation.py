@@ -230,11 +230,12 @@ def test_an_inputs_embeds_prompt_generates_as_qwen2_and_as_its_ids(tiny_qwen, mo
     start = ids.shape[1]
     converted = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM).eval()
     embeds = tiny_qwen.get_input_embeddings()(ids).detach()
-    expected = tiny_qwen.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=10, do_sample=False,
-                                  pad_token_id=PAD)
-    got = converted.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=10, mode="traditional",
-                             pad_token_id=PAD)
-    assert torch.equal(got, expected)
+    for options in (dict(), dict(num_beams=3, num_return_sequences=2)):
+        expected = tiny_qwen.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                                      pad_token_id=PAD, **options)
+        got = converted.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=10, mode="traditional",
+                                 pad_token_id=PAD, **options)
+        assert torch.equal(got, expected)
     assert torch.equal(got, converted.generate(ids, attention_mask=mask, max_new_tokens=10, mode="traditional",
                                                pad_token_id=PAD)[:, start:])
     # Every mode, numbers included: the embeddings of a prompt without numbers give what its ids give.
