@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 from transformers.generation import GenerationConfig, GenerationMixin, LogitsProcessor, LogitsProcessorList
 from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer, TextStreamer
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
@@ -37,7 +39,8 @@ from .generation_options import GENERATION_MODES, check_generation_options, reso
 
 __all__ = [
     "GENERATION_MODES", "CausalQwenGenerateOutput", "CausalQwenGenerateBeamOutput", "CausalGenerationState",
-    "CausalQwenGenerationMixin", "GeneratorSampling", "StreamerWithNumbers", "check_generation_options",
+    "CausalQwenGenerationMixin", "GeneratorSampling", "StopStringsWithNumbers", "StreamerWithNumbers",
+    "check_generation_options",
 ]
 
 
@@ -161,6 +164,17 @@ class CausalGenerationState:
         self.numeric_values, self.loc_y, self.scale_y = values, loc_y, scale_y
         self.synced_length = length
         return values
+
+    def values_of(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`[R', L]` values of the ids a stopping criterion sees between two forwards.
+
+        These are the running rows (then this is `sync`, which the next forward repeats without change), or in beam
+        search the candidates that extend the running rows by one token, whose values `_BeamHistory` reads without
+        changing the state.
+        """
+        if self.beams is not None:
+            return self.beams.values_of(self, input_ids)
+        return self.sync(input_ids, None)
 
     def _start(self, input_ids: torch.Tensor, prompt_values: torch.Tensor | None) -> None:
         rows = input_ids.shape[0]
@@ -329,6 +343,33 @@ class _BeamHistory:
         self.nodes = [self._child(self.nodes[j], t) for j, t in zip(source.tolist(), tokens, strict=True)]
         self.rows_ids = input_ids
 
+    def values_of(self, state: CausalGenerationState, input_ids: torch.Tensor) -> torch.Tensor:
+        """Values of beam search's candidates, rows that extend a running row of their prompt by one token.
+
+        Each candidate takes the values of the running row it extends and, for a `<NUM>` as its last token, that
+        row's pending prediction.
+        """
+        previous = state.numeric_values
+        if input_ids.shape[1] == self.rows_ids.shape[1]:
+            return previous
+        if input_ids.shape[1] != self.rows_ids.shape[1] + 1:
+            raise RuntimeError(f"beam search candidates of {input_ids.shape[1]} ids follow rows of "
+                               f"{self.rows_ids.shape[1]}")
+        rows, running = input_ids.shape[0], self.rows_ids.shape[0]
+        group = torch.arange(rows, device=input_ids.device) // (rows // self.groups)
+        running_group = torch.arange(running, device=input_ids.device) // self.num_beams
+        same = (input_ids[:, None, :-1] == self.rows_ids[None, :, :].to(input_ids.device)).all(-1)
+        same &= group[:, None] == running_group[None, :]
+        if not bool(same.any(1).all()):
+            raise RuntimeError("a beam search candidate continues none of the running rows of its prompt")
+        source = same.int().argmax(1).to(previous.device)
+        last = torch.zeros(rows, dtype=previous.dtype, device=previous.device)
+        pending = state.pending_values()
+        if pending is not None and state.num_token_id is not None:
+            is_num = input_ids[:, -1].to(previous.device) == state.num_token_id
+            last = torch.where(is_num, pending[source, -1].to(previous.dtype), last)
+        return torch.cat([previous[source], last[:, None]], dim=1)
+
     def _child(self, node: int, token: int) -> int:
         found = self.children.get((node, token))
         if found is None:
@@ -364,6 +405,64 @@ class _BeamHistory:
                     break
         device = sequences.device
         return values.to(device), loc_y.to(device), scale_y.to(device)
+
+
+class StopStringsWithNumbers(StoppingCriteria):
+    """Stop strings matched in the text as the tokenizer writes it, each `<NUM>` as its value's digits.
+
+    transformers' `StopStringCriteria` matches the strings against the strings of the tokens, and a `<NUM>` token's
+    string is "<NUM>": "." would never stop after a generated 12.25, and ">" would stop after every number. This
+    criterion decodes the end of every row with the values the generation state holds and applies the same rule:
+    a row stops when a stop string occurs in its text and reaches into the text of the tokens added since the last
+    check (the last token, or the tokens assisted decoding accepted at once). `generate` uses it in place of
+    `StopStringCriteria` whenever `stop_strings` is set on a model with numbers.
+
+    Args:
+        stop_strings: one string or several.
+        tokenizer: a `CausalQwenTokenizer` with the model's `<NUM>` id (its `decode` writes the values).
+        state: the generation state of the `generate` call.
+    """
+
+    def __init__(self, stop_strings: str | list[str], tokenizer, state: CausalGenerationState):
+        strings = [stop_strings] if isinstance(stop_strings, str) else stop_strings
+        if not isinstance(strings, (list, tuple)) or not strings or not all(
+                isinstance(x, str) and x for x in strings):
+            raise ValueError(f"stop_strings must be a non-empty string or a list of them, got {stop_strings!r}")
+        from .tokenization import CausalQwenTokenizer
+
+        if not isinstance(tokenizer, CausalQwenTokenizer):
+            raise ValueError(
+                "stop_strings on a model that writes numbers need the CausalQwenTokenizer as tokenizer=, whose decode "
+                f"writes each <NUM> as its value; got {type(tokenizer).__name__}"
+            )
+        if tokenizer.num_token_id != state.num_token_id:
+            raise ValueError(f"tokenizer's <NUM> id {tokenizer.num_token_id} is not the model's num_token_id "
+                             f"{state.num_token_id}")
+        self.stop_strings = list(strings)
+        self.tokenizer = tokenizer
+        self.state = state
+        # Tokens decoded before the new ones: a stop string of n characters spans at most 4n byte-level tokens.
+        self.context = 4 * max(len(x) for x in self.stop_strings)
+        self.checked_length: int | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        length = input_ids.shape[1]
+        checked = self.checked_length if self.checked_length is not None else self.state.prompt_length
+        new = max(1, length - (checked or 0))
+        self.checked_length = length
+        window = min(length, new + self.context)
+        ids = input_ids[:, length - window:].tolist()
+        values = self.state.values_of(input_ids)[:, length - window:].tolist()
+        texts = self.tokenizer.batch_decode(ids, numeric_values=values)
+        before = self.tokenizer.batch_decode([row[:-new] for row in ids], numeric_values=[v[:-new] for v in values])
+        stops = [self._reaches_new_text(old, text) for old, text in zip(before, texts, strict=True)]
+        return torch.tensor(stops, dtype=torch.bool, device=input_ids.device)
+
+    def _reaches_new_text(self, before: str, text: str) -> bool:
+        """Whether a stop string occurs in `text` and ends past what `text` shares with `before`."""
+        # Byte-level tokens of a split character decode apart as U+FFFD: the text shared is the common prefix.
+        shared = len(os.path.commonprefix([before, text]))
+        return any(text.find(stop, max(0, shared - len(stop) + 1)) >= 0 for stop in self.stop_strings)
 
 
 class GeneratorSampling(LogitsProcessor):
@@ -438,8 +537,10 @@ class CausalQwenGenerationMixin(GenerationMixin):
         Generate with transformers' loop in one of the modes of docs/design.md §5.
 
         Args:
-            inputs (`torch.LongTensor` of shape `(B, S)`): the prompt ids (left-padded for batches).
-            numeric_values (`torch.Tensor` of shape `(B, S)`, *optional*): the prompt's numbers.
+            inputs (`torch.LongTensor` of shape `(B, S)`): the prompt ids (left-padded for batches). A prompt of
+                embeddings goes in as `inputs_embeds=` (a keyword), without `numeric_values`.
+            numeric_values (`torch.Tensor` of shape `(B, S)`, *optional*): the prompt's numbers, float, checked as
+                the forward checks them.
             mode (`str`, *optional*):
                 `"standard"`: argmax of the OvR probabilities; numbers are the median `loc_Y`.
                 `"causal"`: sample the individual u = loc_U + scale_U·tan(π(ε − ½)) and decide under the
@@ -452,13 +553,15 @@ class CausalQwenGenerationMixin(GenerationMixin):
                 `shared_individual`, and give the mode's own output.
             shared_individual (`bool`): `causal` mode only.
             shared_noise (`bool`): `standard` mode only; one ε_noise ~ Cauchy(0, 1) per sequence shifts U.
-            generator (`torch.Generator`, *optional*): drives every random draw (ε is drawn as
-                `torch.rand(B, C)` from it, and traditional sampling draws its tokens from it), so a seed
-                reproduces a generation; torch's global RNG is left untouched.
+            generator (`torch.Generator`, *optional*; a bare seed is a `TypeError`): drives every random draw
+                (ε is drawn as `torch.rand(B, C)` from it, and traditional sampling draws its tokens from it), so a
+                seed reproduces a generation; torch's global RNG is left untouched.
             output_value_scores (`bool`): with `return_dict_in_generate=True`, also return the per-step
                 `loc_Y` and `scale_Y`.
             **kwargs: everything `GenerationMixin.generate` takes (`attention_mask`, `max_new_tokens`,
                 `eos_token_id`, `streamer`, `return_dict_in_generate`, `num_beams`, `assistant_model`, ...).
+                `stop_strings` (with `tokenizer=` the `CausalQwenTokenizer`) are matched in the text with the
+                generated numbers written as digits ([`StopStringsWithNumbers`]).
 
         Returns:
             The ids `(B, L)` as Qwen2 returns them, or with `return_dict_in_generate=True` a
@@ -501,6 +604,12 @@ class CausalQwenGenerationMixin(GenerationMixin):
             num_beams=num_beams, prompt_length=prompt_ids.shape[1] if prompt_ids is not None else None,
             sample_with_generator=sampling and generator is not None,
         )
+        if resolved.stop_strings is not None and state.num_token_id is not None:
+            if kwargs.get("tokenizer") is None:
+                raise ValueError("stop_strings need the tokenizer: pass tokenizer= (the CausalQwenTokenizer) to "
+                                 "generate")
+            stop = StopStringsWithNumbers(resolved.stop_strings, kwargs["tokenizer"], state)
+            kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), stop])
         if kwargs.get("streamer") is not None and state.num_token_id is not None:
             kwargs["streamer"] = StreamerWithNumbers(kwargs["streamer"], state, numeric_values)
         if state.num_token_id is not None:
@@ -516,6 +625,14 @@ class CausalQwenGenerationMixin(GenerationMixin):
         kind = CausalQwenGenerateBeamOutput if isinstance(output, GenerateBeamDecoderOnlyOutput) else \
             CausalQwenGenerateOutput
         return kind(**output, numeric_values=values, loc_Y=loc_y, scale_Y=scale_y)
+
+    def _get_stopping_criteria(self, generation_config, stopping_criteria, tokenizer=None, **kwargs):
+        """transformers' criteria, less its `StopStringCriteria` where `StopStringsWithNumbers` takes its place."""
+        if generation_config.stop_strings is not None and any(
+                isinstance(c, StopStringsWithNumbers) for c in stopping_criteria or []):
+            generation_config = copy.copy(generation_config)
+            generation_config.stop_strings = None
+        return super()._get_stopping_criteria(generation_config, stopping_criteria, tokenizer, **kwargs)
 
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
         """transformers' greedy and sampling loop; with a generator, traditional sampling uses `GeneratorSampling`."""

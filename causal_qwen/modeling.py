@@ -26,7 +26,7 @@ from transformers.processing_utils import Unpack
 from transformers.utils import ModelOutput, TransformersKwargs, can_return_tuple
 
 from . import cauchy
-from .cauchy import kl_divergence, quantile, symlog, untransform_values
+from .cauchy import kl_divergence, symlog, untransform_values
 from .checks import check_forward_inputs, check_forward_replacement
 from .configuration import CausalQwenConfig, bind_model
 from .conversion import convert_qwen

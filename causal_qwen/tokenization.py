@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -86,6 +87,7 @@ class CausalQwenTokenizer(Qwen2Tokenizer):
         # The one private method of transformers this class relies on: `__call__`, `encode` (so `tokenize`) and
         # `apply_chat_template` encode through it, with the parameters of `TokenizersBackend._encode_plus` that
         # `_encode_numbers` takes by name; tests/test_tokenization.py::test_encode_plus_is_the_one_hook pins both.
+        _check_max_length(kwargs.get("max_length"))
         if not self.use_numeric:
             return super()._encode_plus(*args, **kwargs)
         return self._encode_numbers(*args, **kwargs)
@@ -355,6 +357,17 @@ def _as_columns(
             f"`encoded_inputs` must be a dict of lists or a list of dicts, got {type(encoded_inputs).__name__}"
         )
     return encoded_inputs
+
+
+def _check_max_length(max_length: Any) -> None:
+    """A `max_length` of at least one id: 0 would truncate every text to nothing, which fails only much later."""
+    if max_length is None:
+        return
+    if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral):
+        raise TypeError(f"max_length must be a positive int or None, got {type(max_length).__name__}")
+    if max_length < 1:
+        raise ValueError(f"max_length must be a positive int or None, got {max_length}: it would truncate every text "
+                         "to nothing")
 
 
 def _as_text_batch(text: str | Sequence[str]) -> tuple[list[str], bool]:

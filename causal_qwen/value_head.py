@@ -320,11 +320,32 @@ def ridge_readout(
     return weight, bias, float(penalty), float(error)
 
 
+def _check_readout_fits(weight: torch.Tensor, bias: float, y: torch.Tensor, dtype: torch.dtype,
+                        value_transform: str) -> None:
+    """Refuse a float64 read-out that the head's parameters cannot hold, before any of them is written.
+
+    The head predicts in its own dtype: with `value_transform="identity"` targets beyond its range (3.4e38 for
+    float32) cannot be predicted at all, and a read-out of large targets may need weights beyond it.
+    """
+    limit = torch.finfo(dtype).max
+    target = float(y.abs().max())
+    largest = max(float(weight.abs().max()), abs(bias))
+    if math.isfinite(largest) and largest <= limit and target <= limit:
+        return
+    hint = " (value_transform='symlog' models such values as their logarithm)" if value_transform == "identity" else ""
+    raise ValueError(
+        f"the value head cannot start from these targets: they reach {target:.4g} in the head's space "
+        f"(value_transform={value_transform!r}) and the least-squares read-out has weights up to {largest:.4g}, "
+        f"while the head's {dtype} parameters and predictions hold at most ±{limit:.4g}{hint}"
+    )
+
+
 def _write_readout(model, x: torch.Tensor, y: torch.Tensor, penalties: Sequence[float],
                    ) -> tuple[float, float, float | None]:
     """Write the ridge read-out of `y` on `x` into `w_reg`, `b_reg` and γ_Y; `(penalty, LOO error, γ_Y or None)`."""
     action = model.action
     weight, bias, penalty, error = ridge_readout(x, y, penalties)
+    _check_readout_fits(weight, bias, y, action.reg_head.weight.dtype, model.config.value_transform)
     action.reg_head.weight.copy_(weight.to(action.reg_head.weight)[None])
     action.reg_head.bias.fill_(bias)
     noise = None

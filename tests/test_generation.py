@@ -230,11 +230,12 @@ def test_an_inputs_embeds_prompt_generates_as_qwen2_and_as_its_ids(tiny_qwen, mo
     start = ids.shape[1]
     converted = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM).eval()
     embeds = tiny_qwen.get_input_embeddings()(ids).detach()
-    expected = tiny_qwen.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=10, do_sample=False,
-                                  pad_token_id=PAD)
-    got = converted.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=10, mode="traditional",
-                             pad_token_id=PAD)
-    assert torch.equal(got, expected)
+    for options in (dict(), dict(num_beams=3, num_return_sequences=2)):
+        expected = tiny_qwen.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                                      pad_token_id=PAD, **options)
+        got = converted.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=10, mode="traditional",
+                                 pad_token_id=PAD, **options)
+        assert torch.equal(got, expected)
     assert torch.equal(got, converted.generate(ids, attention_mask=mask, max_new_tokens=10, mode="traditional",
                                                pad_token_id=PAD)[:, start:])
     # Every mode, numbers included: the embeddings of a prompt without numbers give what its ids give.
@@ -250,6 +251,23 @@ def test_an_inputs_embeds_prompt_generates_as_qwen2_and_as_its_ids(tiny_qwen, mo
         assert torch.equal(from_embeds.sequences, from_ids.sequences[:, start:])
         torch.testing.assert_close(from_embeds.numeric_values, from_ids.numeric_values[:, start:])
     assert (from_ids.sequences[:, start:] == NUM).any() and (from_ids.sequences[:, start:] != NUM).any()
+
+
+@pytest.mark.parametrize("mode", ["standard", "causal", "traditional"])
+def test_a_right_padded_batch_warns_as_qwen2_does(tiny_qwen, model, mode):
+    from transformers.generation.utils import logger
+    from transformers.testing_utils import CaptureLogger
+
+    ids, mask = left_padded_batch()
+    right_ids, right_mask = ids.flip(1), mask.flip(1)
+    warnings = {}
+    for name, generator, options, batch in (("qwen2", tiny_qwen, {}, (right_ids, right_mask)),
+                                            ("ours", model, dict(mode=mode), (right_ids, right_mask)),
+                                            ("ours, left", model, dict(mode=mode), (ids, mask))):
+        with CaptureLogger(logger) as captured:
+            generator.generate(batch[0], attention_mask=batch[1], max_new_tokens=2, pad_token_id=PAD, **options)
+        warnings[name] = "right-padding was detected" in captured.out
+    assert warnings == {"qwen2": True, "ours": True, "ours, left": False}
 
 
 @pytest.mark.slow

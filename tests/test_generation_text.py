@@ -88,3 +88,85 @@ def test_generated_ids_decode_with_the_prompt_numbers(qwen, tokenizer):
     texts = tokenizer.batch_decode(out.sequences, numeric_values=out.numeric_values, skip_special_tokens=True)
     for prompt, text in zip(prompts, texts, strict=True):
         assert text.startswith(prompt)
+
+
+def _first_stop(tokenizer, sequence, values, start, stop_strings):
+    """The generated length at which a stop string first reaches into the text of the last token, from full decodes."""
+    for k in range(1, len(sequence) - start + 1):
+        text = tokenizer.decode(sequence[:start + k], numeric_values=values[:start + k])
+        before = tokenizer.decode(sequence[:start + k - 1], numeric_values=values[:start + k - 1])
+        if any(text.find(s, max(0, len(before) - len(s) + 1)) >= 0 for s in stop_strings):
+            return k
+    return None
+
+
+@pytest.mark.parametrize("stop_strings", [["."], ["00001909"], ["d28", "9092"], "9092", [">"], ["NUM"]])
+@pytest.mark.parametrize("mode", ["standard", "traditional"])
+def test_stop_strings_see_generated_numbers_as_their_digits(numbers_model, tokenizer, stop_strings, mode):
+    with torch.no_grad():
+        numbers_model.action.cls_head.bias[tokenizer.num_token_id] = 1e3  # the softmax writes numbers too
+    batch = tokenizer(["Total: 12.5 and", "Sum: 7, 8 and"], return_tensors="pt", padding=True, padding_side="left")
+    # With an EOS (never generated here) transformers pads the rows that stopped.
+    options = dict(max_new_tokens=6, mode=mode, return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id,
+                   eos_token_id=tokenizer.eos_token_id)
+    full = numbers_model.generate(**batch, **options)
+    out = numbers_model.generate(**batch, **options, stop_strings=stop_strings, tokenizer=tokenizer)
+    start = batch["input_ids"].shape[1]
+    strings = [stop_strings] if isinstance(stop_strings, str) else stop_strings
+    stops = []
+    for row in range(2):
+        sequence, values = full.sequences[row].tolist(), full.numeric_values[row].tolist()
+        assert (full.sequences[row, start:] == tokenizer.num_token_id).all()
+        stop = _first_stop(tokenizer, sequence, values, start, strings)
+        length = start + (stop if stop is not None else 6)
+        assert out.sequences[row, :length].tolist() == sequence[:length]
+        assert out.numeric_values[row, :length].tolist() == values[:length]
+        # A row that stopped is padded to the longest row.
+        assert (out.sequences[row, length:] == tokenizer.pad_token_id).all()
+        stops.append(stop)
+    assert out.sequences.shape[1] == start + max(6 if s is None else s for s in stops)
+    if strings in ([">"], ["NUM"]):
+        assert stops == [None, None]  # "<NUM>" is not in the text: they never fire
+    else:
+        assert any(s is not None and s < 6 for s in stops)  # the numbers' digits hold them: they fire
+
+
+def test_stop_strings_in_beam_search_read_each_candidates_value(numbers_model, tokenizer):
+    with torch.no_grad():
+        numbers_model.action.cls_head.bias[tokenizer.num_token_id] = 8.0  # <NUM> first, other tokens close behind
+    batch = tokenizer("Total: 12 and", return_tensors="pt")
+    pad = tokenizer.pad_token_id
+    out = numbers_model.generate(**batch, max_new_tokens=6, num_beams=3, num_return_sequences=3, stop_strings=["."],
+                                 tokenizer=tokenizer, return_dict_in_generate=True, pad_token_id=pad,
+                                 eos_token_id=tokenizer.eos_token_id)
+    start = batch["input_ids"].shape[1]
+    stopped = 0
+    for sequence, values in zip(out.sequences.tolist(), out.numeric_values.tolist(), strict=True):
+        length = len(sequence) - next((i for i, t in enumerate(reversed(sequence)) if t != pad), 0)
+        stop = _first_stop(tokenizer, sequence[:length], values[:length], start, ["."])
+        # A hypothesis ends at its first ".", or runs to the end without one.
+        assert stop == length - start or (stop is None and length - start == 6)
+        stopped += stop is not None
+    assert stopped > 0
+
+
+def test_stop_strings_need_the_tokenizer_that_writes_numbers(numbers_model, tokenizer, qwen25_dir):
+    batch = tokenizer("Total: 12 and", return_tensors="pt")
+    with pytest.raises(ValueError, match="tokenizer"):
+        numbers_model.generate(**batch, max_new_tokens=2, stop_strings=["."])
+    with pytest.raises(ValueError, match="CausalQwenTokenizer"):
+        numbers_model.generate(**batch, max_new_tokens=2, stop_strings=["."],
+                               tokenizer=AutoTokenizer.from_pretrained(qwen25_dir))
+
+
+def test_pipeline_stop_strings_stop_at_a_generated_number(numbers_model, tokenizer):
+    pipe = pipeline("text-generation", model=numbers_model, tokenizer=tokenizer)
+    prompt = "Total: 12 and"
+    stopped = pipe(prompt, max_new_tokens=4, return_full_text=False, stop_sequence=".")[0]["generated_text"]
+    batch = tokenizer(prompt, return_tensors="pt")
+    full = numbers_model.generate(**batch, max_new_tokens=4, return_dict_in_generate=True)
+    start = batch["input_ids"].shape[1]
+    sequence, values = full.sequences[0].tolist(), full.numeric_values[0].tolist()
+    stop = _first_stop(tokenizer, sequence, values, start, ["."])
+    assert stop is not None and stop < 4
+    assert stopped == tokenizer.decode(sequence[start:start + stop], numeric_values=values[start:start + stop])

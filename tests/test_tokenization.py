@@ -302,13 +302,29 @@ def test_truncation_keeps_numbers_whole(tok, side):
     full = tok(text)
     tok.truncation_side = side
     try:
-        for max_length in range(len(full["input_ids"]) + 1):
+        for max_length in range(1, len(full["input_ids"]) + 1):  # 0 is refused (test_max_length_must_be_positive)
             cut = tok(text, truncation=True, max_length=max_length)
             kept = slice(0, max_length) if side == "right" else slice(len(full["input_ids"]) - max_length, None)
             assert cut["input_ids"] == full["input_ids"][kept]
             assert cut["numeric_values"] == full["numeric_values"][kept]
     finally:
         tok.truncation_side = "right"
+
+
+@pytest.mark.parametrize("max_length", [0, -3])
+@pytest.mark.parametrize("options", [dict(truncation=True), dict(), dict(padding="max_length"),
+                                     dict(truncation=True, padding=True, return_tensors="pt")])
+def test_max_length_must_be_positive(tok, text_tok, max_length, options):
+    for tokenizer in (tok, text_tok):
+        with pytest.raises(ValueError, match=f"max_length must be a positive int or None, got {max_length}"):
+            tokenizer(BATCH, max_length=max_length, **options)
+        with pytest.raises(ValueError, match="max_length"):
+            tokenizer.apply_chat_template([{"role": "user", "content": "1 + 2"}], max_length=max_length,
+                                          truncation=True)
+    with pytest.raises(TypeError, match="max_length must be a positive int or None, got float"):
+        tok(BATCH, max_length=2.5, truncation=True)
+    # One id is enough.
+    assert [len(ids) for ids in tok(BATCH, max_length=1, truncation=True)["input_ids"]] == [1] * len(BATCH)
 
 
 def test_pad_as_collate_function(tok):

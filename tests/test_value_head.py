@@ -236,6 +236,40 @@ def test_fit_value_head_errors(model, tiny_qwen):
         fit_value_head(text_only, [batch])
 
 
+def _scaled(examples: list[dict], factor: float) -> list[dict]:
+    return [{**e, "numeric_values": [v * factor for v in e["numeric_values"]]} for e in examples]
+
+
+@pytest.mark.parametrize("factor", [1e37, 1e300])
+def test_fit_value_head_refuses_a_read_out_the_head_cannot_hold(tiny_qwen, factor):
+    model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM, ovr_threshold=1.0, abduction_scale_init=0.1,
+                                            value_transform="identity")
+    batch = CausalQwenDataCollator(0)(_scaled(dataset(16), factor))  # values up to 100 * factor
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"value_transform='identity'.*torch.float32.*3.403e\+38.*symlog"):
+        fit_value_head(model, [batch])
+    # Nothing was written: the model is as it was.
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert model.config.value_head_fit is None
+
+
+def test_fit_value_head_with_identity_values_near_the_float32_range(tiny_qwen):
+    model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM, ovr_threshold=1.0, abduction_scale_init=0.1,
+                                            value_transform="identity")
+    batch = CausalQwenDataCollator(0)(_scaled(dataset(16), 1e34))  # values up to 1e36
+    fit_value_head(model, [batch], penalties=(3.0,), num_row=False)
+    with torch.no_grad():
+        out = model(batch["input_ids"], numeric_values=batch["numeric_values"])
+    where = batch["labels"][:, 1:] == NUM
+    x = out.loc_U[:, :-1][where].double().numpy()
+    y = batch["numeric_values"][:, 1:][where].numpy()
+    expected_w, expected_b = _numpy_ridge(x, y, 3.0)
+    assert model.action.reg_head.bias.item() == pytest.approx(expected_b, rel=1e-5)
+    np.testing.assert_allclose(model.action.reg_head.weight[0].detach().double().numpy(), expected_w, rtol=1e-4,
+                               atol=1e-6 * np.abs(expected_w).max())
+    assert torch.isfinite(out.loc_Y).all()
+
+
 def _args(tmp_path, steps: int, learning_rate: float = 1e-2, **kw) -> TrainingArguments:
     kw.setdefault("save_strategy", "no")
     return TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=steps,
