@@ -29,6 +29,7 @@ def test_train_learning_rate_is_the_heads_and_defaults_to_1e_4():
     assert "classification head" in sub and "LEARNING_RATE_SCALES" in sub
 
 
+@pytest.mark.slow
 def test_convert_generate_train_eval(tmp_path, qwen25_dir, capsys):
     base = tmp_path / "base"
     torch.manual_seed(0)
@@ -83,6 +84,7 @@ def test_convert_generate_train_eval(tmp_path, qwen25_dir, capsys):
     assert (plots / "predictions.png").stat().st_size > 0 and (plots / "u_scale.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_train_and_eval_on_prompt_completion_data(tmp_path, qwen25_dir, capsys):
     base = tmp_path / "base"
     torch.manual_seed(0)

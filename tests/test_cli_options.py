@@ -219,6 +219,7 @@ def converted(tmp_path, qwen25_dir):
     return tmp_path / "cq"
 
 
+@pytest.mark.slow
 def test_convert_seed_reproduces_the_model_and_is_recorded(converted, tmp_path):
     base = converted.parent / "base"
     assert main(["convert", str(base), str(tmp_path / "again")]) == 0
@@ -232,6 +233,7 @@ def test_convert_seed_reproduces_the_model_and_is_recorded(converted, tmp_path):
     assert json.loads((converted / "config.json").read_text())["conversion_seed"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("extra", "evaluations"), [([], [(4, 8)]), (["--eval-steps", "2"], [(2, 4), (4, 4)]),
                                                     (["--eval-steps", "0"], [])])
 def test_train_evaluates_as_planned_and_quietly(converted, tmp_path, monkeypatch, capsys, extra, evaluations):

@@ -10,6 +10,8 @@ from transformers import AutoTokenizer, Qwen2ForCausalLM, TextGenerationPipeline
 
 from causal_qwen import CausalQwenForCausalLM, CausalQwenTextGenerationPipeline, CausalQwenTokenizer
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def tokenizer(qwen25_dir):

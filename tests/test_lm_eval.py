@@ -75,6 +75,7 @@ def test_number_resolution():
     assert number_resolution("1e-5") == pytest.approx(1e-5) and number_resolution("３.５") == pytest.approx(0.1)
 
 
+@pytest.mark.slow
 def test_text_scores_as_stock_hflm(stock, ours):
     expected, got = loglikelihood(stock, TEXT), loglikelihood(ours, TEXT)
     for (e, e_greedy), (g, g_greedy) in zip(expected, got, strict=True):
@@ -83,6 +84,7 @@ def test_text_scores_as_stock_hflm(stock, ours):
     assert rolling(ours, ROLLING[:1])[0] == pytest.approx(rolling(stock, ROLLING[:1])[0], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_numbers_reach_the_model_and_are_scored_as_values(folders, ours):
     scores = [s for s, _ in loglikelihood(ours, NUMBERS)]
     assert all(math.isfinite(s) and s < 0 for s in scores)
@@ -107,6 +109,7 @@ def test_numbers_reach_the_model_and_are_scored_as_values(folders, ours):
     assert all(math.isfinite(s) for s in rolling(ours, ROLLING))
 
 
+@pytest.mark.slow
 def test_a_value_head_that_knows_the_answer_prefers_it(folders):
     lm = CausalQwenLM(pretrained=str(folders / "cq"), device="cpu", dtype="float32", batch_size=3)
     with torch.no_grad():  # Y ~ Cauchy(symlog(5), ~0.01) everywhere
@@ -119,6 +122,7 @@ def test_a_value_head_that_knows_the_answer_prefers_it(folders):
     assert five > five_point_zero  # a finer written precision is a smaller interval
 
 
+@pytest.mark.slow
 def test_generated_numbers_are_written_with_their_values(folders, ours):
     prompts = ["价格是99.9元, and 12 apples cost", "Hello"]
     lm = CausalQwenLM(pretrained=str(folders / "cq"), device="cpu", dtype="float32", batch_size=2)
@@ -139,6 +143,7 @@ def test_generated_numbers_are_written_with_their_values(folders, ours):
     assert generate(traditional, ["Hello, my name is"], 6) == generate(stock, ["Hello, my name is"], 6)
 
 
+@pytest.mark.slow
 def test_plain_hflm_on_a_causal_qwen_folder_is_exact_or_refuses(folders, stock):
     plain = HFLM(pretrained=str(folders / "cq"), device="cpu", dtype="float32", batch_size=2)
     for (e, _), (g, _) in zip(loglikelihood(stock, TEXT), loglikelihood(plain, TEXT), strict=True):
@@ -149,6 +154,7 @@ def test_plain_hflm_on_a_causal_qwen_folder_is_exact_or_refuses(folders, stock):
         generate(plain, ["2 + 3 ="])
 
 
+@pytest.mark.slow
 def test_a_tokenizer_that_disagrees_with_the_config_is_refused(folders, tmp_path):
     import shutil
 
@@ -174,6 +180,7 @@ def _write_task(folder):
     )
 
 
+@pytest.mark.slow
 def test_simple_evaluate_and_the_command_line_on_a_local_task(folders, tmp_path, monkeypatch):
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -215,6 +222,7 @@ def test_real_qwen25(qwen25_dir, tmp_path):
         loglikelihood(plain, NUMBERS[:1])
 
 
+@pytest.mark.slow
 def test_a_task_that_samples_runs_in_traditional_mode(ours):
     """Without a named mode, a task's do_sample selects traditional mode, as in `generate`."""
     requests = [Instance(request_type="generate_until", doc={},

@@ -54,6 +54,7 @@ def test_init_reproduces_qwen_from_object(tiny_qwen):
     assert cls_weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
 
 
+@pytest.mark.slow
 def test_init_reproduces_qwen_from_saved_dir_with_real_tokenizer(tmp_path, qwen25_dir):
     torch.manual_seed(0)
     qwen = Qwen2ForCausalLM(tiny_qwen2_config(vocab_size=151936)).eval()

@@ -10,6 +10,8 @@ from transformers import AutoTokenizer, Qwen2ForCausalLM, TrainingArguments, pip
 from causal_qwen import CausalQwenForCausalLM, CausalQwenTokenizer, CausalQwenTrainer
 from causal_qwen.pairing import check_tokenizer_matches
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def tokenizer(qwen25_dir):

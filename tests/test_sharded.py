@@ -29,6 +29,8 @@ WORKER = Path(__file__).with_name("sharded_worker.py")
 sys.path.insert(0, str(WORKER.parent))
 from sharded_worker import dataset  # noqa: E402
 
+pytestmark = pytest.mark.distributed
+
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="needs deepspeed (pip install causal_qwen[deepspeed])")
 

@@ -39,6 +39,7 @@ def test_read_examples_detects_prompt_completion(tmp_path):
         read_examples(other)
 
 
+@pytest.mark.slow
 def test_prompt_completion_labels_only_the_completion(tokenizer):
     prompt, completion = "The reading was 12.5 grams; the scale shows", " 12.4 grams."
     (feature,) = tokenize_examples(tokenizer, [{"prompt": prompt, "completion": completion}])
@@ -54,6 +55,7 @@ def test_prompt_completion_labels_only_the_completion(tokenizer):
     assert batch["labels"][0, :n].eq(-100).all() and batch["labels"][0, n:].ne(-100).all()
 
 
+@pytest.mark.slow
 def test_truncation_keeps_the_completion(tokenizer):
     (feature,) = tokenize_examples(tokenizer, [{"prompt": "one two three four five six", "completion": " 7"}],
                                    max_length=4)
@@ -62,6 +64,7 @@ def test_truncation_keeps_the_completion(tokenizer):
     assert feature["labels"][0] == -100 and feature["numeric_values"][-2] == 7.0
 
 
+@pytest.mark.slow
 def test_texts_and_pairs_mix_and_bad_examples(tokenizer):
     features = tokenize_examples(tokenizer, ["It costs 5 dollars.", {"prompt": "2 and 2 make", "completion": " 4"}],
                                  add_eos=False)
@@ -78,6 +81,7 @@ def test_collator_honours_a_completion_mask():
         CausalQwenDataCollator(0)([{"input_ids": [4, 5, 6, 7], "completion_mask": [0, 1, 1]}])
 
 
+@pytest.mark.slow
 def test_tokenizer_and_collator_put_values_at_num_only(tokenizer):
     # The model refuses a value off <NUM> (a sign of misaligned values); what the library builds never has one.
     texts = ["It costs 3.5 dollars, 12 items, -7 degrees and 0 left.", "价格是99.9元", "no numbers here", "1e3 2,500"]

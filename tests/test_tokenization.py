@@ -20,6 +20,8 @@ from transformers.tokenization_utils_tokenizers import TokenizersBackend
 from causal_qwen.numbers import find_numbers, format_number
 from causal_qwen.tokenization import CausalQwenTokenizer
 
+pytestmark = pytest.mark.slow
+
 QWEN25_NUM_ID = 151_665
 PROPERTY_SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

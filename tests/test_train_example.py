@@ -7,7 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO_ROOT
+
+pytestmark = pytest.mark.slow
 
 
 def test_train_example_tiny(tmp_path, qwen25_dir):

@@ -26,6 +26,7 @@ def _run(command: list[str]) -> None:
                              f"{result.stderr[-8000:]}")
 
 
+@pytest.mark.distributed
 def test_ddp_two_processes_equal_single_process(tmp_path):
     single, ddp = tmp_path / "single.pt", tmp_path / "ddp.pt"
     _run([sys.executable, str(WORKER), str(single), "4"])
@@ -36,6 +37,7 @@ def test_ddp_two_processes_equal_single_process(tmp_path):
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.distributed
 def test_ddp_with_checkpointing_and_a_rank_without_numbers_finishes(tmp_path):
     # Under activation checkpointing DDP does not look for unused parameters: every trainable parameter must get
     # a gradient on every rank, even when a rank's batch has no number at all.

@@ -14,6 +14,8 @@ from causal_qwen.data import tokenize_examples  # noqa: E402
 from causal_qwen.integrations.trl import CausalQwenSFTTrainer  # noqa: E402
 from causal_qwen.metrics import CausalQwenMetrics  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 TEXTS = [f"A box of {i + 2} apples costs {3.5 * (i + 1)} dollars." for i in range(8)]
 PAIRS = [{"prompt": f"A kilo costs {i + 1.5} dollars, so {i + 2} kilos cost", "completion": f" {(i + 1.5) * (i + 2)}."}
          for i in range(8)]
