@@ -236,8 +236,9 @@ def test_an_inputs_embeds_prompt_generates_as_qwen2_and_as_its_ids(tiny_qwen, mo
         got = converted.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=10, mode="traditional",
                                  pad_token_id=PAD, **options)
         assert torch.equal(got, expected)
-    assert torch.equal(got, converted.generate(ids, attention_mask=mask, max_new_tokens=10, mode="traditional",
-                                               pad_token_id=PAD)[:, start:])
+        from_ids = converted.generate(ids, attention_mask=mask, max_new_tokens=10, mode="traditional",
+                                      pad_token_id=PAD, **options)
+        assert torch.equal(got, from_ids[:, start:])
     # Every mode, numbers included: the embeddings of a prompt without numbers give what its ids give.
     with torch.no_grad():
         model.action.threshold[NUM] = 0.0  # <NUM> wins at some steps and not at others
