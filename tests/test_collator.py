@@ -66,6 +66,7 @@ def test_num_ids_without_numeric_values_are_refused(tiny_qwen):
         CausalQwenDataCollator(pad_token_id=0, num_token_id=-1)
 
 
+@pytest.mark.slow
 def test_from_tokenizer_takes_the_num_id(qwen25_dir):
     from transformers import AutoTokenizer
 

@@ -136,6 +136,7 @@ def test_data_file_errors_name_the_file_and_the_line(tmp_path):
         read_examples(listed)
 
 
+@pytest.mark.slow
 def test_a_plain_qwen_tokenizer_gives_zero_values(qwen25_dir):
     from transformers import AutoTokenizer
 
