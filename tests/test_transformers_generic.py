@@ -31,6 +31,8 @@ if not (TREE / "tests" / "causal_lm_tester.py").exists():
 
 pytest.importorskip("parameterized", reason="transformers' test tree needs parameterized")
 
+pytestmark = pytest.mark.generic
+
 # The tree's modules import each other as the package `tests` (relatively, and in places as `tests.*`).
 if str(TREE) not in sys.path:
     sys.path.insert(0, str(TREE))
