@@ -191,8 +191,19 @@ class CausalQwenTokenizer(Qwen2Tokenizer):
     def _literal_num_token_ids(self) -> list[int]:
         """Ids of the string "<NUM>" read as ordinary text (its BPE pieces, not the special token)."""
         if self._literal_num_ids is None:
-            self._literal_num_ids = self._encode_without_added_tokens(self.num_token)
+            self._literal_num_ids = self._plain_text_ids(self.num_token)
         return self._literal_num_ids
+
+    def _plain_text_ids(self, text: str) -> list[int]:
+        """Ids of `text` read as plain text: the Rust pipeline (normaliser, pre-tokeniser, BPE) without the added
+        tokens, special or not, which would match `<NUM>` itself. Ours, as transformers has it only from 5.20."""
+        backend = self._tokenizer
+        if backend.normalizer is not None:
+            text = backend.normalizer.normalize_str(text)
+        pieces = [text]
+        if backend.pre_tokenizer is not None:
+            pieces = [piece for piece, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
+        return [token.id for piece in pieces for token in backend.model.tokenize(piece)]
 
     def _special_tokens_around_sequence(self) -> tuple[list[int], list[int]]:
         """The ids the post-processor puts before and after one sequence (none for Qwen2's)."""
