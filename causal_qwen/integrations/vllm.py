@@ -54,6 +54,42 @@ def register() -> None:
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, f"{__name__}:CausalQwenForVLLM")
+    _register_renderer()
+
+
+def _register_renderer() -> None:
+    """vLLM's `hf` renderer, refusing text prompts whose numbers the CausalQwen tokenizer would leave without values.
+
+    vLLM tokenizes a text prompt into ids alone: the values of its numbers could not reach the model, and a `<NUM>`
+    without its value is refused rather than read as 0. The renderer is the same for every other tokenizer.
+    """
+    from vllm.renderers.registry import RENDERER_REGISTRY
+
+    if RENDERER_REGISTRY.renderers.get("hf") != (__name__, "NumberCheckingRenderer"):
+        RENDERER_REGISTRY.register("hf", __name__, "NumberCheckingRenderer")
+
+
+def __getattr__(name: str):
+    # The renderer subclasses vLLM's, which is imported only when vLLM asks for it.
+    if name == "NumberCheckingRenderer":
+        from vllm.renderers.hf import HfRenderer
+
+        class NumberCheckingRenderer(HfRenderer):
+            def _tokenize_prompt(self, prompt, params):
+                tokens = super()._tokenize_prompt(prompt, params)
+                tokenizer = self.get_tokenizer()
+                if getattr(tokenizer, "use_numeric", False) and getattr(tokenizer, "num_token", None):
+                    if tokenizer.num_token_id in tokens["prompt_token_ids"]:
+                        raise ValueError(
+                            "this text prompt has numbers, which vLLM's tokenization would pass without their "
+                            "values: send the prompt as token ids with extra_args['numeric_values'] (vllm_xargs on "
+                            "the server), as causal_qwen.integrations.vllm.number_prompt builds them"
+                        )
+                return tokens
+
+        globals()[name] = NumberCheckingRenderer
+        return NumberCheckingRenderer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def deployment_mode() -> str:
