@@ -83,9 +83,41 @@ def tiny(tmp_path_factory):
     return model, path
 
 
+class _Engines:
+    """One in-process vLLM engine at a time: asking for another folder shuts the previous engine down first."""
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+        self.llm: LLM | None = None
+
+    def get(self, path, **options) -> LLM:
+        if self.path != str(path):
+            self.close()
+            self.llm, self.path = LLM(str(path), **{**ENGINE, **options}), str(path)
+        return self.llm
+
+    def close(self) -> None:
+        if self.llm is not None:
+            import gc
+
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = self.path = None
+            gc.collect()
+            cleanup_dist_env_and_memory()
+
+
 @pytest.fixture(scope="module")
-def tiny_llm(tiny):
-    return LLM(str(tiny[1]), skip_tokenizer_init=True, **ENGINE)
+def engines():
+    engines = _Engines()
+    yield engines
+    engines.close()
+
+
+@pytest.fixture
+def tiny_llm(tiny, engines):
+    return engines.get(tiny[1], skip_tokenizer_init=True)
 
 
 def _requests(mode: str, prompts):
@@ -167,15 +199,20 @@ def test_real_greedy_equals_the_library(mode, real_causal_qwen):
 
 
 @pytest.fixture(scope="module")
-def real_causal_qwen(qwen25_dir, tmp_path_factory):
-    """The real Qwen2.5-0.5B converted by from_qwen and saved with its tokenizer, and a vLLM engine on the folder."""
+def real_causal_qwen_folder(qwen25_dir, tmp_path_factory):
+    """The real Qwen2.5-0.5B converted by from_qwen and saved with its tokenizer."""
     tokenizer = CausalQwenTokenizer.from_pretrained(qwen25_dir)
     model = CausalQwenForCausalLM.from_qwen(qwen25_dir, tokenizer=tokenizer, dtype=torch.float32).eval()
     path = tmp_path_factory.mktemp("causal_qwen_0.5b")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    llm = LLM(str(path), **{**ENGINE, "kv_cache_memory_bytes": 256 << 20})
-    return model, tokenizer, path, llm
+    return model, tokenizer, path
+
+
+@pytest.fixture
+def real_causal_qwen(real_causal_qwen_folder, engines):
+    model, tokenizer, path = real_causal_qwen_folder
+    return model, tokenizer, path, engines.get(path, kv_cache_memory_bytes=256 << 20)
 
 
 @pytest.fixture(scope="module")
