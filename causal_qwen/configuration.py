@@ -177,8 +177,10 @@ class CausalQwenConfig(Qwen2Config):
             if name == "num_token_id" and isinstance(vocab_size, int) and value >= vocab_size:
                 raise ValueError(f"num_token_id must lie inside the vocabulary [0, {vocab_size}), got {value}")
         elif name in _FLOAT_FIELDS:
-            if value is None and name == "regression_noise" and not self.__dict__.get("_post_init_done", False):
-                return  # resolved from use_numeric by __post_init__
+            if value is None and name == "regression_noise" and name not in self.__dict__:
+                # Only as the field's first value, set by the dataclass __init__: __post_init__ resolves it from
+                # use_numeric. Every later None (by hand, `update`) is refused.
+                return
             _check_float(name, value)
         elif name == "value_transform":
             if value not in VALUE_TRANSFORMS:

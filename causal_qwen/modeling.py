@@ -20,7 +20,6 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, WeightConverter
-from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.qwen2.modeling_qwen2 import Qwen2PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import ModelOutput, TransformersKwargs, can_return_tuple
@@ -65,6 +64,23 @@ __all__ = [
     "CausalQwenOutput", "CausalQwenActionOutput", "CausalQwenNumericEmbedding", "CausalQwenAbduction",
     "CausalQwenAction", "CausalQwenPreTrainedModel", "CausalQwenModel", "CausalQwenForCausalLM",
 ]
+
+
+def keep_positions(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The positions of `hidden_states` [B, S, H] whose heads are computed, as Qwen2ForCausalLM keeps them.
+
+    An int keeps the last `logits_to_keep` positions (0 keeps all); an integer tensor holds positions, 1D for every
+    row or 2D `[B, n]` for each. Ours, not transformers' helper for it, which only transformers 5.20 and later have.
+    """
+    if isinstance(logits_to_keep, int):
+        return hidden_states[:, -logits_to_keep:] if logits_to_keep else hidden_states
+    if logits_to_keep.dtype == torch.bool or logits_to_keep.ndim not in (1, 2):
+        # A boolean mask keeps a different count per row, which the [B, S] heads cannot hold.
+        raise ValueError(f"logits_to_keep must be an int or a 1D/2D integer tensor of positions, got "
+                         f"{logits_to_keep.dtype} of shape {tuple(logits_to_keep.shape)}")
+    if logits_to_keep.ndim == 2:
+        return torch.take_along_dim(hidden_states, logits_to_keep[..., None], dim=1)
+    return hidden_states[:, logits_to_keep]
 
 
 @dataclass
@@ -659,7 +675,7 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
         )
         hidden_states = outputs.last_hidden_state
         if not has_targets:
-            hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
+            hidden_states = keep_positions(hidden_states, logits_to_keep)
         loc_u, scale_u = self.abduction(hidden_states)
 
         if generation_state is not None:

@@ -55,8 +55,13 @@ class CausalQwenTextGenerationPipeline(TextGenerationPipeline):
         if numeric_values is not None and model_inputs["input_ids"].shape[1] > 0:
             generate_kwargs["numeric_values"] = numeric_values
         generate_kwargs["return_dict_in_generate"] = True
-        # The stock pipeline reshapes every tensor of the generate output per prompt, numeric_values included.
-        return super()._forward(model_inputs, **generate_kwargs)
+        # The stock pipeline reshapes every tensor of the generate output per prompt, numeric_values included; before
+        # transformers 5.20 it nests them under "additional_outputs".
+        outputs = super()._forward(model_inputs, **generate_kwargs)
+        nested = outputs.get("additional_outputs") or {}
+        if "numeric_values" not in outputs and "numeric_values" in nested:
+            outputs["numeric_values"] = nested["numeric_values"]
+        return outputs
 
     def postprocess(self, model_outputs, return_type=ReturnType.FULL_TEXT, clean_up_tokenization_spaces=None,
                     continue_final_message=None, skip_special_tokens=None, **kwargs):

@@ -1,0 +1,117 @@
+"""Serving throughput on vLLM: CausalQwen against its Qwen2.5-0.5B, and against the library's own `generate`.
+
+One run measures, on the same batch of prompts (greedy, exactly `--new-tokens` new tokens each, `--batch` prompts):
+vLLM serving the real Qwen2.5-0.5B, vLLM serving that model converted to CausalQwen (`from_qwen`, saved with its
+tokenizer), and the library's `generate(mode="traditional")` on the converted model with the same batch (left
+padded). Each vLLM engine runs in its own process; the first request batch warms it up and is not timed. It prints
+generated tokens per second and the two ratios (bars: ≥ 0.85 against vLLM's Qwen2, ≥ 3 against `generate`).
+
+Run it in the vllm environment (docs/serving.md):
+
+    venv-vllm/bin/python benchmarks/bench_vllm.py                 # the real Qwen2.5-0.5B, batch 16
+    venv-vllm/bin/python benchmarks/bench_vllm.py --new-tokens 16 # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROMPTS = [
+    "The capital of France is", "Write a short poem about the sea:", "Q: Why is the sky blue? A:",
+    "Once upon a time, in a small village,", "The three primary colours are", "Explain recursion to a child:",
+    "def fibonacci(n):", "My favourite book is", "The weather today is", "Translate to French: good morning",
+    "List some fruits:", "The history of Rome begins", "A recipe for pancakes:", "The meaning of life is",
+    "Dear hiring manager,", "In computer science, a hash table",
+]
+QWEN25_DIR = Path(os.environ.get("CAUSAL_QWEN_QWEN25_DIR", Path.home() / ".cache" / "causal_qwen" / "qwen2.5-0.5b"))
+
+
+def prompts(batch: int) -> list[str]:
+    return [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+
+
+def vllm_rate(model_dir: str, batch: int, new_tokens: int, dtype: str) -> float:
+    """Generated tokens per second of a vLLM engine on `model_dir` (run in a process of its own)."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model_dir, dtype=dtype, max_model_len=512, max_num_seqs=batch, seed=0,
+              kv_cache_memory_bytes=1 << 30)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    texts = prompts(batch)
+    llm.generate(texts, params, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(texts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+
+
+def library_rate(model_dir: str, batch: int, new_tokens: int, dtype: str) -> float:
+    """Generated tokens per second of the library's `generate` on the same batch."""
+    import torch
+
+    from causal_qwen import CausalQwenForCausalLM, CausalQwenTokenizer
+
+    tokenizer = CausalQwenTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = CausalQwenForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    batch_inputs = tokenizer(prompts(batch), return_tensors="pt", padding=True)
+    kwargs = dict(mode="traditional", do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    model.generate(**batch_inputs, mode="traditional", do_sample=False, max_new_tokens=2)  # warm-up
+    start = time.perf_counter()
+    out = model.generate(**batch_inputs, **kwargs)
+    elapsed = time.perf_counter() - start
+    return (out.shape[1] - batch_inputs["input_ids"].shape[1]) * batch / elapsed
+
+
+def convert(target: str, dtype: str) -> None:
+    import torch
+
+    from causal_qwen import CausalQwenForCausalLM, CausalQwenTokenizer
+
+    tokenizer = CausalQwenTokenizer.from_pretrained(QWEN25_DIR)
+    model = CausalQwenForCausalLM.from_qwen(QWEN25_DIR, tokenizer=tokenizer, dtype=getattr(torch, dtype))
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+
+
+def run_child(*args: str) -> float:
+    """One measurement in a fresh process, so that each engine has the machine to itself."""
+    result = subprocess.run([sys.executable, __file__, "--child", *args], check=True, capture_output=True, text=True)
+    lines = [line for line in result.stdout.splitlines() if line.startswith('{"rate"')]
+    return json.loads(lines[-1])["rate"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--child", nargs=2, metavar=("KIND", "DIR"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        kind, model_dir = args.child
+        rate = (vllm_rate if kind == "vllm" else library_rate)(model_dir, args.batch, args.new_tokens, args.dtype)
+        print(json.dumps({"rate": rate}))
+        return
+    common = ["--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--dtype", args.dtype]
+    with tempfile.TemporaryDirectory() as converted:
+        convert(converted, args.dtype)
+        qwen = run_child("vllm", str(QWEN25_DIR), *common)
+        causal = run_child("vllm", converted, *common)
+        library = run_child("library", converted, *common)
+    print(f"batch {args.batch}, {args.new_tokens} new tokens, {args.dtype}, generated tokens/s:")
+    print(f"  vLLM, Qwen2.5-0.5B           {qwen:9.1f}")
+    print(f"  vLLM, CausalQwen (converted) {causal:9.1f}")
+    print(f"  library generate, CausalQwen {library:9.1f}")
+    print(f"ratio CausalQwen on vLLM / Qwen2.5 on vLLM: {causal / qwen:.2f} (bar 0.85)")
+    print(f"ratio CausalQwen on vLLM / library generate: {causal / library:.2f} (bar 3)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,446 @@
+"""Serving CausalQwen on vLLM (docs/serving.md): a plugin that registers `CausalQwenForCausalLM` with vLLM.
+
+Installed with the `vllm` extra, the entry point `vllm.general_plugins` calls [`register`] in every vLLM process, so
+`vllm serve DIR` and `vllm.LLM(DIR)` load a folder saved by `save_pretrained` with nothing else from the user.
+
+The model is vLLM's own Qwen2 backbone (its attention, KV cache and batching) with the library's numeric embedding,
+abduction and action modules around it, loading the same safetensors keys; the heads run through the same functions
+as the library's `generate`, so the decisions are the library's:
+
+- `traditional` mode: the logits are loc_S, and every vLLM sampling parameter works as for Qwen2;
+- `standard` mode: the logits are the margins (loc_S − C)/scale_S, monotone in P_k, so greedy decoding is the OvR
+  argmax; it is a decision, not a distribution, so it takes greedy requests only (`temperature=0`).
+
+The mode is the deployment's (environment `CAUSAL_QWEN_VLLM_MODE`, default `traditional`) or the request's
+(`SamplingParams(extra_args={"causal_qwen_mode": ...})`, `vllm_xargs` on the OpenAI-compatible server).
+
+Numbers travel per request, beside the token ids: the prompt's values are `extra_args["numeric_values"]`, aligned with
+the prompt ids as the tokenizer returns them ([`number_prompt`] builds both). Where the model writes `<NUM>`, the value
+head's median at that step is the value fed back through the numeric embedding at the next step, as in the library.
+The per-request state lives in the worker: [`CausalQwenRequests`], a logits processor (vLLM's per-request hook, which
+sees every request enter, leave and move in the batch) shares it with the model.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+MODES = ("traditional", "standard")
+MODE_ENV = "CAUSAL_QWEN_VLLM_MODE"
+MODE_ARG = "causal_qwen_mode"
+VALUES_ARG = "numeric_values"
+KEY_ARG = "causal_qwen_request"
+ARCHITECTURE = "CausalQwenForCausalLM"
+
+__all__ = [
+    "CausalQwenForVLLM", "CausalQwenRequests", "GeneratedNumber", "generated_numbers", "number_prompt", "register",
+]
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: register the architecture, the config and the tokenizer."""
+    from vllm import ModelRegistry
+
+    import causal_qwen  # noqa: F401  (registers the config and tokenizer with transformers' Auto classes)
+
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, f"{__name__}:CausalQwenForVLLM")
+    _register_renderer()
+
+
+def _register_renderer() -> None:
+    """vLLM's `hf` renderer, refusing text prompts whose numbers the CausalQwen tokenizer would leave without values.
+
+    vLLM tokenizes a text prompt into ids alone: the values of its numbers could not reach the model, and a `<NUM>`
+    without its value is refused rather than read as 0. The renderer is the same for every other tokenizer.
+    """
+    from vllm.renderers.registry import RENDERER_REGISTRY
+
+    if RENDERER_REGISTRY.renderers.get("hf") != (__name__, "NumberCheckingRenderer"):
+        RENDERER_REGISTRY.register("hf", __name__, "NumberCheckingRenderer")
+
+
+def __getattr__(name: str):
+    # The renderer subclasses vLLM's, which is imported only when vLLM asks for it.
+    if name == "NumberCheckingRenderer":
+        from vllm.renderers.hf import HfRenderer
+
+        class NumberCheckingRenderer(HfRenderer):
+            def _tokenize_prompt(self, prompt, params):
+                tokens = super()._tokenize_prompt(prompt, params)
+                tokenizer = self.get_tokenizer()
+                if getattr(tokenizer, "use_numeric", False) and getattr(tokenizer, "num_token", None):
+                    if tokenizer.num_token_id in tokens["prompt_token_ids"]:
+                        raise ValueError(
+                            "this text prompt has numbers, which vLLM's tokenization would pass without their "
+                            "values: send the prompt as token ids with extra_args['numeric_values'] (vllm_xargs on "
+                            "the server), as causal_qwen.integrations.vllm.number_prompt builds them"
+                        )
+                return tokens
+
+        globals()[name] = NumberCheckingRenderer
+        return NumberCheckingRenderer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def deployment_mode() -> str:
+    """The mode of requests that name none: `CAUSAL_QWEN_VLLM_MODE`, else `traditional`."""
+    mode = os.environ.get(MODE_ENV, "traditional")
+    if mode not in MODES:
+        raise ValueError(f"{MODE_ENV} must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def request_mode(extra_args: dict | None) -> str:
+    """The mode of one request: its `extra_args["causal_qwen_mode"]`, else the deployment's."""
+    mode = (extra_args or {}).get(MODE_ARG)
+    if mode is None:
+        return deployment_mode()
+    if mode not in MODES:
+        unsupported = " (causal mode is the library's generate alone)" if mode == "causal" else ""
+        raise ValueError(f"{MODE_ARG} must be one of {MODES}, got {mode!r}{unsupported}")
+    return mode
+
+
+def number_prompt(tokenizer, text: str, **sampling: Any) -> tuple[dict, Any]:
+    """A vLLM prompt with its numbers: `(TokensPrompt, SamplingParams)` for `LLM.generate`.
+
+    The text is tokenized by the CausalQwen tokenizer (each number one `<NUM>`); the ids go in the prompt and their
+    values in `SamplingParams.extra_args["numeric_values"]`. `sampling` holds `SamplingParams` fields; its
+    `extra_args` are kept (e.g. `{"causal_qwen_mode": "standard"}`). The request gets a key under which an in-process
+    engine keeps the numbers it writes ([`generated_numbers`]).
+    """
+    from vllm import SamplingParams, TokensPrompt
+
+    encoded = tokenizer(text)
+    extra_args = dict(sampling.pop("extra_args", None) or {})
+    extra_args[VALUES_ARG] = [float(v) for v in encoded["numeric_values"]]
+    extra_args.setdefault(KEY_ARG, uuid.uuid4().hex)
+    return TokensPrompt(prompt_token_ids=list(encoded["input_ids"])), SamplingParams(extra_args=extra_args, **sampling)
+
+
+@dataclass(frozen=True)
+class GeneratedNumber:
+    """A `<NUM>` the model wrote: its index among the generated ids, its value (the median fed back) and the central
+    90% interval of the value head's Cauchy distribution."""
+
+    index: int
+    value: float
+    lower: float
+    upper: float
+
+
+def generated_numbers(sampling_params) -> list[GeneratedNumber]:
+    """The numbers written for a finished request of an engine in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`).
+
+    The request is known by the key that [`number_prompt`] put in its `extra_args`. An engine in another process
+    keeps them there: vLLM's outputs have no per-token field to carry them back (docs/serving.md).
+    """
+    key = (sampling_params.extra_args or {}).get(KEY_ARG)
+    if key is None:
+        raise ValueError(f"sampling_params has no extra_args[{KEY_ARG!r}]: build the request with number_prompt")
+    if key not in _KEPT:
+        raise KeyError(f"no request {key!r} ran in this process: its engine runs in another process")
+    request, batch = _KEPT[key]
+    return request.numbers(batch.num_token_id, batch.value_transform)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Per-request state, shared by the logits processor and the model of one worker
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestNumbers:
+    """The numbers of one running request: its prompt's values and the values predicted at generated positions."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]  # vLLM's live list of the request's generated ids
+    mode: str
+    prompt_values: list[float] | None
+    key: str | None = None
+    predicted: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # position → value, loc_Y, scale_Y
+
+    def value_at(self, position: int, num_token_id: int) -> float:
+        """The value of the `<NUM>` at `position` (of the prompt, or written by the model at an earlier step)."""
+        if position < len(self.prompt_ids):
+            if self.prompt_values is None:
+                raise ValueError(
+                    f"the prompt has <NUM> (id {num_token_id}) at position {position} but no "
+                    f"extra_args[{VALUES_ARG!r}]: pass the tokenizer's values with the ids (number_prompt)"
+                )
+            return self.prompt_values[position]
+        if position not in self.predicted:
+            raise RuntimeError(f"no value was predicted for the generated <NUM> at position {position}")
+        return self.predicted[position][0]
+
+
+    def numbers(self, num_token_id: int, value_transform: str) -> list[GeneratedNumber]:
+        """The `<NUM>`s of the output with their values and 90% intervals."""
+        from ..cauchy import quantile
+        from ..loss import untransform_values
+
+        found = []
+        start = len(self.prompt_ids)
+        for index, token in enumerate(list(self.output_ids)):
+            if token != num_token_id or start + index not in self.predicted:
+                continue
+            value, loc, scale = self.predicted[start + index]
+            # As the library's `value_interval` computes it, from the float32 distribution of the heads.
+            loc_t, scale_t = torch.tensor([loc]), torch.tensor([scale])
+            lower, upper = (float(untransform_values(quantile(loc_t, scale_t, p), value_transform)[0])
+                            for p in (0.05, 0.95))
+            found.append(GeneratedNumber(index, value, lower, upper))
+        return found
+
+
+class _Batch:
+    """The rows of vLLM's persistent batch, in its order, as the logits processor sees them."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, RequestNumbers] = {}
+        self.num_token_id: int | None = None  # set by the model; None: no numbers to keep
+        self.value_transform = "identity"
+        self.last_positions: list[int] | None = None  # per row, the position the last forward decided from
+
+    def apply(self, batch_update) -> None:
+        from vllm.v1.sample.logits_processor import MoveDirectionality
+
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            self.rows.pop(index, None)
+        for index, params, prompt_ids, output_ids in batch_update.added:
+            extra = params.extra_args if params is not None else None
+            values = (extra or {}).get(VALUES_ARG)
+            self.rows[index] = RequestNumbers(
+                prompt_ids=list(prompt_ids or []), output_ids=output_ids, mode=request_mode(extra),
+                prompt_values=[float(v) for v in values] if values is not None else None,
+                key=(extra or {}).get(KEY_ARG),
+            )
+            self._keep(self.rows[index])
+        for first, second, direction in batch_update.moved:
+            a, b = self.rows.pop(first, None), self.rows.pop(second, None)
+            if a is not None:
+                self.rows[second] = a
+            if b is not None and direction == MoveDirectionality.SWAP:
+                self.rows[first] = b
+
+
+    def _keep(self, request: RequestNumbers) -> None:
+        """Keep a request with a key (the latest `KEPT_REQUESTS`), so that its numbers can be read once it is done."""
+        if request.key is not None and self.num_token_id is not None:
+            _KEPT[request.key] = (request, self)
+            while len(_KEPT) > KEPT_REQUESTS:
+                _KEPT.popitem(last=False)
+
+
+_BATCHES: dict[str, _Batch] = {}
+KEPT_REQUESTS = 4096
+_KEPT: OrderedDict[str, tuple[RequestNumbers, _Batch]] = OrderedDict()
+
+
+def _batch_of(vllm_config) -> _Batch:
+    """The batch state of one engine (its worker's logits processor and model share it)."""
+    return _BATCHES.setdefault(vllm_config.instance_id, _Batch())
+
+
+def _is_causal_qwen(vllm_config) -> bool:
+    return ARCHITECTURE in (getattr(vllm_config.model_config.hf_config, "architectures", None) or [])
+
+
+def _vllm_logits_processor_base():
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    return LogitsProcessor
+
+
+class CausalQwenRequests(_vllm_logits_processor_base()):
+    """vLLM's per-request hook, used to follow the requests of the batch; it changes no logits.
+
+    vLLM calls `update_state` before every forward with the requests that entered, left or moved in its persistent
+    batch (with their `SamplingParams` and live output ids); the model reads the batch state this keeps. For a model
+    that is not CausalQwen it does nothing. `validate_params` refuses, per request, what the plugin does not support.
+    """
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        self.batch = _batch_of(vllm_config) if _is_causal_qwen(vllm_config) else None
+
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        extra = sampling_params.extra_args or {}
+        mode = request_mode(extra)
+        values = extra.get(VALUES_ARG)
+        if values is not None:
+            if not isinstance(values, (list, tuple)) or not all(_is_number(v) for v in values):
+                raise ValueError(f"extra_args[{VALUES_ARG!r}] must be a list of finite numbers, one per prompt id")
+        if mode == "standard":
+            if sampling_params.temperature != 0:
+                raise ValueError(
+                    "causal_qwen_mode='standard' decides by the OvR argmax: it takes greedy requests only "
+                    f"(temperature=0), got temperature={sampling_params.temperature}; sample in 'traditional' mode"
+                )
+            if sampling_params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs are not supported in causal_qwen_mode='standard'")
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def update_state(self, batch_update) -> None:
+        if self.batch is not None:
+            self.batch.apply(batch_update)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class CausalQwenForVLLM(nn.Module):
+    """CausalQwen in vLLM: vLLM's Qwen2 backbone, the library's numeric embedding, abduction and action modules.
+
+    Parameter names are the library's state-dict keys (`model.*`, `numeric_embedding.*`, `abduction.*`, `action.*`),
+    so a folder saved by `save_pretrained` loads as it is.
+    """
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__()
+        from vllm.model_executor.models.qwen2 import Qwen2Model
+        from vllm.model_executor.models.utils import maybe_prefix
+
+        from ..modeling import CausalQwenAbduction, CausalQwenAction, CausalQwenNumericEmbedding
+
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.model = Qwen2Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.numeric_embedding = CausalQwenNumericEmbedding(config) if config.use_numeric else None
+        self.abduction = CausalQwenAbduction(config)
+        self.action = CausalQwenAction(config)
+        self.num_token_id = config.num_token_id if config.use_numeric else None
+        self.batch = _batch_of(vllm_config)
+        self.batch.num_token_id = self.num_token_id
+        self.batch.value_transform = config.value_transform
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        rows = self._row_starts()
+        self.batch.last_positions = None
+        if rows is not None:
+            ends = torch.tensor(rows[1:], dtype=torch.long, device=positions.device) - 1
+            self.batch.last_positions = positions[ends].tolist()
+        if inputs_embeds is None:
+            inputs_embeds = self.model.embed_input_ids(input_ids)
+            if self.numeric_embedding is not None:
+                values = self._numeric_values(input_ids, positions, rows)
+                inputs_embeds = self.numeric_embedding(inputs_embeds, input_ids, values)
+        return self.model(None, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
+
+    def _row_starts(self) -> list[int] | None:
+        """Where each request's tokens start in the flat batch (`query_start_loc`), None outside a real step."""
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if not is_forward_context_available():
+            return None
+        metadata = get_forward_context().attn_metadata
+        if isinstance(metadata, list):
+            metadata = metadata[0] if metadata else None
+        if isinstance(metadata, dict):
+            metadata = next(iter(metadata.values()), None)
+        starts = getattr(metadata, "query_start_loc", None)
+        if starts is None:
+            return None
+        starts = starts.tolist()
+        if len(starts) - 1 > len(self.batch.rows):
+            return None  # a profiling or warm-up run: no requests behind it
+        return starts
+
+    def _numeric_values(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: list[int] | None):
+        """The value of every `<NUM>` of the flat batch, 0 elsewhere (float64, as the tokenizer gives them)."""
+        is_num = input_ids == self.num_token_id
+        if rows is None or not bool(is_num.any()):
+            return None
+        values = torch.zeros(input_ids.shape, dtype=torch.float64)
+        import bisect
+
+        for index in is_num.nonzero().flatten().tolist():
+            row = bisect.bisect_right(rows, index) - 1
+            values[index] = self.batch.rows[row].value_at(int(positions[index]), self.num_token_id)
+        return values.to(input_ids.device)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The scores vLLM samples from, per request's mode; records the value predicted for each request."""
+        from ..generation import _MAX_VALUE, shortest_float32
+
+        loc_u, scale_u = self.abduction(hidden_states)
+        loc_in, scale_in = self.action.head_inputs(loc_u, scale_u)
+        modes = self._row_modes(hidden_states.shape[0])
+        standard = [row for row, mode in enumerate(modes) if mode == "standard"]
+        loc_s, _ = self.action.classify(loc_in, None)
+        logits = loc_s.float()
+        if standard:
+            rows = torch.tensor(standard, device=hidden_states.device)
+            std_loc, std_scale = self.action.classify(loc_in[rows], scale_in[rows])
+            logits[rows] = self.action.margin(std_loc, std_scale)
+        last = self.batch.last_positions
+        if self.action.reg_head is not None and last is not None and len(last) == hidden_states.shape[0]:
+            loc_y, scale_y = self.action.regress(loc_in, scale_in)
+            values = untransform(loc_y.double(), self.config.value_transform)
+            values = values.nan_to_num(nan=math.nan, posinf=_MAX_VALUE, neginf=-_MAX_VALUE)
+            values = shortest_float32(values.reshape(-1)).tolist()
+            for row, (position, value, loc, scale) in enumerate(
+                zip(last, values, loc_y.float().tolist(), scale_y.float().tolist(), strict=True)
+            ):
+                request = self.batch.rows.get(row)
+                if request is not None:
+                    request.predicted[position + 1] = (value, loc, scale)
+        return logits
+
+    def _row_modes(self, count: int) -> list[str]:
+        """The mode of each row of the logits: its request's, when the rows are the batch's requests."""
+        default = deployment_mode()
+        if self.batch.last_positions is None or len(self.batch.last_positions) != count:
+            return [default] * count
+        return [self.batch.rows[row].mode if row in self.batch.rows else default for row in range(count)]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        from vllm.model_executor.models.utils import AutoWeightsLoader
+
+        loader = AutoWeightsLoader(self, ignore_unexpected_prefixes=["abduction_anchor."])
+        return loader.load_weights(_vector_log_noise(weights))
+
+
+def untransform(y: torch.Tensor, transform: str) -> torch.Tensor:
+    from ..loss import untransform_values
+
+    return untransform_values(y, transform)
+
+
+def _vector_log_noise(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    """Checkpoints written while `action.reg_log_noise` was 0-dim hold it as a scalar; the module's is `[1]`."""
+    for name, tensor in weights:
+        yield name, (tensor.reshape(1) if name == "action.reg_log_noise" and tensor.dim() == 0 else tensor)

