@@ -192,8 +192,11 @@ def main() -> None:
             trainer.train()
         finally:
             value_head_module.known_next_tokens = original
-        final = {**measure(model, tokenizer, test, profile.eval_batch), **generated(model, tokenizer, test,
-                                                                                   profile.decode_batch)}
+        last = curve.points[-1]
+        # The evaluation at the last step saw the model as it ends (refitted first where the arm refits).
+        value = ({k: v for k, v in last.items() if k != "step"} if last["step"] == trainer.state.global_step
+                 else measure(model, tokenizer, test, profile.eval_batch))
+        final = {**value, **generated(model, tokenizer, test, profile.decode_batch)}
         record = {"curve": curve.points, "final": final, "start_fit": model.config.value_head_fit,
                   "refits": [(step, fit.to_dict()) for step, fit in trainer.value_head_start.refits],
                   "seconds": time.perf_counter() - arm_started}
