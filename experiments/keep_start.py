@@ -21,6 +21,7 @@ share of test prompts where standard-mode `generate` writes `<NUM>` first (and t
 
     python experiments/keep_start.py --arms old,default --output runs/keep_start
     python experiments/keep_start.py --tiny --output /tmp/keep_start     # a tiny random backbone: the pipeline only
+    python experiments/keep_start.py --tiny-mechanisms --output /tmp/keep_start   # the mechanisms, tiny model
     python experiments/keep_start.py --merge A/results.json B/results.json --output runs/keep_start  # arms run apart
 """
 
@@ -45,6 +46,7 @@ from causal_qwen import value_head as value_head_module  # noqa: E402
 from causal_qwen.data import CausalQwenDataCollator, NumericExample, real_splits, tokenize_examples  # noqa: E402
 from causal_qwen.labels import next_token_targets  # noqa: E402
 from causal_qwen.training import LEARNING_RATE_SCALES, CausalQwenTrainer  # noqa: E402
+from causal_qwen.value_head import refit_value_readout  # noqa: E402
 
 ARMS = ("old", "low rate", "refit", "default")
 
@@ -125,9 +127,14 @@ def main() -> None:
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="a tiny random backbone (checks the pipeline)")
+    parser.add_argument("--tiny-mechanisms", action="store_true",
+                        help="only the four mechanisms on a tiny random Qwen2 and synthetic texts (minutes)")
     parser.add_argument("--merge", nargs="+", metavar="RESULTS_JSON",
                         help="only merge the arms of earlier runs' results.json (same options) into --output")
     args = parser.parse_args()
+    if args.tiny_mechanisms:
+        tiny_mechanisms(Path(args.output))
+        return
     if args.merge:
         merge([Path(path) for path in args.merge], Path(args.output))
         return
@@ -179,11 +186,8 @@ def main() -> None:
             model=model, args=training_args, train_dataset=features, eval_dataset=held_out,
             data_collator=CausalQwenDataCollator.from_tokenizer(tokenizer), learning_rate_scales=scales,
             refit_value_readout=arm in ("refit", "default"), callbacks=[curve])
-        if arm == "refit":  # the read-out trains between the refits
-            for param in trainer.value_head_start._held:
-                param.requires_grad_(True)
-            trainer.value_head_start._held.clear()
-            trainer.value_head_start.hold_readout = lambda: None
+        if arm == "refit":
+            release_readout(trainer)
         original = value_head_module.known_next_tokens
         if arm == "old":
             value_head_module.known_next_tokens = labelled_next_tokens
@@ -209,6 +213,127 @@ def main() -> None:
     plot(results, out / "keep_start_curve.png")
     print(table(results))
     print(f"done in {results['seconds']:.0f} s; {out / 'results.json'}", flush=True)
+
+
+def related_texts(n: int, seed: int) -> list[dict]:
+    """Token-id texts for a tiny vocabulary: `<NUM>` (id 120) at positions 3 and 7, the second value 3·first + 5."""
+    g = torch.Generator().manual_seed(seed)
+    examples = []
+    for _ in range(n):
+        ids = torch.randint(1, 100, (10,), generator=g)
+        ids[3] = ids[7] = 120
+        first = float(torch.rand((), generator=g, dtype=torch.float64)) * 100
+        values = [0.0] * 10
+        values[3], values[7] = first, 3.0 * first + 5.0
+        examples.append({"input_ids": ids.tolist(), "numeric_values": values})
+    return examples
+
+
+@torch.no_grad()
+def held_out_value(model, data: list[dict]) -> tuple[float, float]:
+    """Mean Cauchy NLL and median |error| (symlog space) of the value at the `<NUM>` targets of `data`."""
+    from causal_qwen.cauchy import symlog
+
+    batch = CausalQwenDataCollator(0)(data)
+    model.eval()
+    out = model(batch["input_ids"], numeric_values=batch["numeric_values"])
+    where = batch["labels"][:, 1:] == 120
+    y = symlog(batch["numeric_values"][:, 1:][where].double())
+    loc, scale = out.loc_Y[:, :-1][where].double(), out.scale_Y[:, :-1][where].double()
+    nll = (torch.log(torch.pi * scale) + torch.log1p(((y - loc) / scale) ** 2)).mean().item()
+    return nll, (loc - y).abs().median().item()
+
+
+class HeldOutAtStart(TrainerCallback):
+    """`held_out_value` right after the start (`value`), and after every step with the read-out as it is then, and
+    as a refit would leave it where the arm refits (`curve`: step, NLL, median |error|)."""
+
+    def __init__(self, held: list[dict], train: list[dict], refit: bool):
+        self.held, self.train, self.refit, self.value, self.curve = held, train, refit, None, []
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if self.value is None:
+            self.value = held_out_value(model, self.held)
+            self.curve.append((0, *self.value))
+            model.train()
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.refit:  # what an evaluation at this step would see: the read-out refitted first
+            saved = {k: v.detach().clone() for k, v in model.action.state_dict().items() if "reg_" in k}
+            refit_value_readout(model, experiment.collated(CausalQwenDataCollator(0), self.train, 64))
+        self.curve.append((state.global_step, *held_out_value(model, self.held)))
+        if self.refit:
+            model.action.load_state_dict(saved, strict=False)
+        model.train()
+
+
+def tiny_mechanisms(out: Path, steps: int = 24) -> None:
+    """The four mechanisms on a tiny random Qwen2 (vocabulary 128) and texts whose second value follows from the
+    first: held-out value NLL and median |error| right after the start and after `steps` steps at two rates."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from causal_qwen import CausalQwenForCausalLM
+
+    train, held = related_texts(256, 1), related_texts(64, 2)
+    curves: dict = {}
+    out.mkdir(parents=True, exist_ok=True)
+    print("| rate | mechanism | held-out value NLL: start → end | median abs. error (symlog): start → end |")
+    print("|---|---|---|---|")
+    for rate in (1e-2, 1e-3):
+        for arm in ARMS[1:] + ("old",):
+            torch.manual_seed(0)
+            qwen = Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                max_position_embeddings=256, tie_word_embeddings=True)).eval()
+            model = CausalQwenForCausalLM.from_qwen(qwen, num_token_id=120, ovr_threshold=1.0,
+                                                    abduction_scale_init=0.1)
+            start = HeldOutAtStart(held, train, refit=arm in ("refit", "default"))
+
+            scales = {**LEARNING_RATE_SCALES, **({"action.reg_head": 0.01, "action.reg_log_noise": 1.0}
+                                                  if arm == "low rate" else {})}
+            trainer = CausalQwenTrainer(
+                model=model, args=TrainingArguments(
+                    output_dir=str(out / "tiny"), per_device_train_batch_size=8, max_steps=steps, learning_rate=rate,
+                    report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+                    train_sampling_strategy="sequential"),
+                train_dataset=train, data_collator=CausalQwenDataCollator(0), learning_rate_scales=scales,
+                refit_value_readout=arm in ("refit", "default"), callbacks=[start])
+            if arm == "refit":
+                release_readout(trainer)
+            trainer.train()
+            end = held_out_value(model, held)
+            print(f"| {rate:g} | {arm} | {start.value[0]:.4f} → {end[0]:.4f} | {start.value[1]:.4f} → {end[1]:.4f} |",
+                  flush=True)
+            curves[(rate, arm)] = start.curve
+    plot_tiny(curves, out / "keep_start_tiny_curve.png")
+
+
+def plot_tiny(curves: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, rate in zip(axes, (1e-2, 1e-3), strict=True):
+        for (r, arm), points in curves.items():
+            if r == rate:
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=arm)
+        ax.set_title(f"tiny Qwen2, learning rate {rate:g}")
+        ax.set_xlabel("optimizer step")
+    axes[0].set_ylabel("held-out value NLL (lower is better)")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def release_readout(trainer) -> None:
+    """The "refit" arm: the read-out trains between the refits (the default holds it out of the optimizer)."""
+    for param in trainer.value_head_start._held:
+        param.requires_grad_(True)
+    trainer.value_head_start._held.clear()
+    trainer.value_head_start.hold_readout = lambda: None
 
 
 def merge(paths: list[Path], out: Path) -> None:
