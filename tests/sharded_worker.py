@@ -215,6 +215,12 @@ def main() -> None:
         (out / "value_head_fit.json").write_text(json.dumps(model.config.value_head_fit))
     rank = trainer.args.process_index
     out.mkdir(parents=True, exist_ok=True)
+    if a.engine in ("single", "ddp") and trainer.value_head_start is not None:
+        # Each rank's value read-out after its refits (rank 0 fits, the others receive it).
+        action = model.action
+        torch.save({"weight": action.reg_head.weight.detach().clone(), "bias": action.reg_head.bias.detach().clone(),
+                    "log_noise": action.reg_log_noise.detach().clone(),
+                    "refits": [step for step, _ in trainer.value_head_start.refits]}, out / f"readout-{rank}.pt")
     (out / f"memory-{rank}.json").write_text(json.dumps({**memory, "engine": a.engine, "wrapped": wrapped(trainer),
                                                          "world_size": trainer.args.world_size}))
     if trainer.is_world_process_zero():

@@ -188,3 +188,14 @@ def test_value_head_start_reaches_the_sharded_parameters(runs, engine):
     plain = runs.get(engine, "--save-steps", "2")
     first = [json.loads((r / "losses.json").read_text())["1"] for r in (run, plain)]
     assert first[0] < first[1]
+
+
+def test_ddp_refits_the_value_readout_on_rank_0_and_broadcasts_it(runs):
+    # Each rank reads its own shard of the training set; rank 0's refit is the one every replica holds.
+    run = runs.get("ddp", "--value-head-start")
+    readouts = [torch.load(run / f"readout-{rank}.pt") for rank in (0, 1)]
+    assert readouts[0]["refits"] == readouts[1]["refits"] == [3]
+    for key in ("weight", "bias", "log_noise"):
+        torch.testing.assert_close(readouts[1][key], readouts[0][key], rtol=0, atol=0, msg=key)
+    start = json.loads((run / "value_head_fit.json").read_text())
+    assert start["positions"] == 16  # rank 0's half of the 16 examples' 32 numbers

@@ -204,7 +204,14 @@ def test_lora_adapters_train_at_the_head_rate_and_saved_modules_at_theirs(model,
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
                       modules_to_save=["numeric_embedding", "abduction", "action"])
     peft_model = get_peft_model(model, lora)
-    trainer = one_rate_trainer(peft_model, tmp_path, lr=1e-3)
+    # By default the value read-out is held out of the optimizer (refitted instead), through PEFT's copies too.
+    held = one_rate_trainer(peft_model, tmp_path, lr=1e-3)
+    held.create_optimizer()
+    assert "base_model.model.action.modules_to_save.default.reg_head.weight" not in optimizer_rates(held)
+    for param in held.value_head_start._held:
+        param.requires_grad_(True)
+    # Trained with the other heads, the read-out gets its rate.
+    trainer = one_rate_trainer(peft_model, tmp_path, lr=1e-3, refit_value_readout=False)
     trainer.create_optimizer()
     got = optimizer_rates(trainer)
 

@@ -144,3 +144,14 @@ def test_lora_through_peft_config_trains_adapters_and_causal_modules(model, toke
     moved = {n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])}
     for part in ("lora_A", "abduction.modules_to_save", "reg_head", "numeric_embedding.modules_to_save"):
         assert any(part in n for n in moved), part
+
+
+def test_sft_trainer_keeps_the_value_readout_fitted(model, tokenizer, tmp_path):
+    # CausalQwenTrainer's default: the read-out is held out of the optimizer and fitted again at the end.
+    trainer = CausalQwenSFTTrainer(model=model, args=config(tmp_path, max_steps=2), processing_class=tokenizer,
+                                   train_dataset=Dataset.from_list([dict(pair) for pair in PAIRS]))
+    trainer.train()
+    optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert id(model.action.reg_head.weight) not in optimized and id(model.numeric_embedding.w_num) in optimized
+    assert [step for step, _ in trainer.value_head_start.refits] == [2]
+    assert model.config.value_head_fit is not None and model.action.reg_head.weight.requires_grad

