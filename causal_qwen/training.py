@@ -20,17 +20,21 @@ that an argmax needs; `eval/accuracy` (see `metrics.py`) measures it on held-out
 from __future__ import annotations
 
 import math
+from collections.abc import Sized
 
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
+from transformers.utils import logging
 
 from .checks import check_positive_finite
 from .labels import IGNORE_INDEX, next_token_targets
 from .pairing import check_tokenizer_matches
-from .value_head import fit_value_head
+from .value_head import NotEnoughNumbersError, fit_value_head
 
 __all__ = ["CausalQwenTrainer", "LEARNING_RATE_SCALES", "ValueHeadStartCallback", "parameter_groups"]
+
+logger = logging.get_logger(__name__)
 
 # The parts of the model's loss logged beside Trainer's `loss`, in the order of their log keys.
 _LOSS_PARTS = ("loss", "cls_loss", "reg_loss")
@@ -140,7 +144,8 @@ class ValueHeadStartCallback(TrainerCallback):
     checkpoint), or when a run resumes from a checkpoint (global step > 0): the checkpoint's weights hold the fit.
     The rows come from the training set read in order (the evaluation loader of `trainer.train_dataset`, so it does
     not consume the random state that shuffles training). Under several processes each reads its own shard and
-    the fit of process 0 is broadcast, so every replica starts from the same head.
+    the fit of process 0 is broadcast, so every replica starts from the same head. Data with fewer than 3 `<NUM>`
+    targets (text-only data has none) cannot be fitted: the start is then skipped, with one warning saying so.
 
     Under FSDP or DeepSpeed the engine splits or copies the parameters when training starts, before
     `on_train_begin`; `CausalQwenTrainer.train` then calls `fit_unwrapped` on the bare model first.
@@ -173,8 +178,29 @@ class ValueHeadStartCallback(TrainerCallback):
         loader = self.trainer.get_eval_dataloader(self.trainer.train_dataset)
         # With persistent workers Trainer keeps the loader under "eval"; evaluation must not find this one there.
         getattr(self.trainer, "_eval_dataloaders", {}).pop("eval", None)
-        self.fit = fit_value_head(model, loader, max_positions=self.max_positions)
+        try:
+            fit, reason = fit_value_head(model, loader, max_positions=self.max_positions), None
+        except NotEnoughNumbersError as error:  # text-only data: train without the start, as from the head as it is
+            fit, reason = None, str(error)
+        # Process 0's head is broadcast, fitted or not (another process's shard may hold numbers where its does
+        # not, or none where its does): every replica starts from the same head.
+        reason = _from_process_zero(reason)
         _broadcast_value_head(model)
+        if reason is not None:
+            if self.trainer.is_world_process_zero():
+                logger.warning(f"value head start skipped: the training data is too short of numbers ({reason}); the "
+                               "value head trains from where it is")
+            return
+        self.fit = fit
+
+
+def _from_process_zero(value):
+    """`value` of process 0, on every process (as it is without several processes)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _broadcast_value_head(model) -> None:
@@ -191,6 +217,26 @@ def _broadcast_value_head(model) -> None:
     fit = [model.config.value_head_fit]
     torch.distributed.broadcast_object_list(fit, src=0)
     model.config.value_head_fit = fit[0]
+
+
+def _warn_if_numbers_stay_digits(model, processing_class) -> None:
+    """A tokenizer that does not read numbers (a plain Qwen2 one) trains the model as text: say so, once."""
+    config = getattr(model, "config", None)
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)  # a processor
+    if (tokenizer is None or getattr(config, "model_type", None) != "causal_qwen" or not config.use_numeric
+            or getattr(tokenizer, "use_numeric", False)):
+        return
+    logger.warning(f"processing_class is a {type(tokenizer).__name__}, which does not read numbers: they stay digits, "
+                   "the data holds no <NUM> and the value head does not train. To train the numbers, pass the "
+                   "CausalQwenTokenizer saved with the model (CausalQwenTokenizer.from_pretrained).")
+
+
+def _check_not_empty(name: str, data) -> None:
+    """Refuse a dataset without examples by its name (Trainer's samplers fail on one deep inside torch)."""
+    for key, part in (data.items() if isinstance(data, dict) else [(None, data)]):
+        if isinstance(part, Sized) and len(part) == 0:
+            where = name if key is None else f"{name}[{key!r}]"
+            raise ValueError(f"{where} holds no examples: give the trainer at least one")
 
 
 class CausalQwenTrainer(Trainer):
@@ -217,6 +263,9 @@ class CausalQwenTrainer(Trainer):
             raise TypeError(f"value_head_start must be True or False, got {value_head_start!r}")
         super().__init__(*args, **kwargs)
         check_tokenizer_matches(self.model, self.processing_class)
+        _warn_if_numbers_stay_digits(self.model, self.processing_class)
+        _check_not_empty("train_dataset", self.train_dataset)
+        _check_not_empty("eval_dataset", self.eval_dataset)
         if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
             # ZeRO-3 partitions every parameter; the action network reads its heads' in its own forward.
             for module in self.model.modules():
@@ -232,6 +281,7 @@ class CausalQwenTrainer(Trainer):
             self.add_callback(self.value_head_start)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        _check_not_empty("train_dataset", self.train_dataset)
         if self.value_head_start is not None and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             # FSDP shards the parameters, DeepSpeed copies them into its optimizer, when training starts: fit first.
             self.value_head_start.fit_unwrapped(self.model, resuming=bool(resume_from_checkpoint))
