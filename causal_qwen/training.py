@@ -342,35 +342,42 @@ class CausalQwenTrainer(Trainer):
         loss_inputs = self._loss_inputs(inputs, num_items_in_batch)
         loss, outputs = super().compute_loss(model, loss_inputs, return_outputs=True,
                                              num_items_in_batch=num_items_in_batch)
-        self._record_loss_parts(model, loss_inputs, outputs, num_items_in_batch)
+        self._record_loss_parts(model, loss_inputs, outputs, loss, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
-    def _loss_scale(self, num_items_in_batch) -> float:
-        """The factor by which `Trainer` turns the model's loss of a micro-batch into its share of the logged loss.
+    def _loss_scales(self, num_items_in_batch) -> tuple[float, float]:
+        """The factors by which `Trainer` turns the model's loss of a micro-batch into its share of the logged loss:
+        `(processes, accumulation)`.
 
-        With `num_items_in_batch` the model's loss is already its share of the step's mean, and Trainer multiplies it
-        by the processes whose shares it later averages; without, Trainer divides it by the accumulation steps.
+        With `num_items_in_batch` the model's loss is already its share of the step's mean, and `compute_loss`
+        multiplies it by the processes whose shares the log averages; without, `training_step` divides it by the
+        accumulation steps.
         """
-        scale = 1.0
+        processes = accumulation = 1.0
         kwargs_loss = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
         if self.args.average_tokens_across_devices and kwargs_loss and num_items_in_batch is not None:
-            scale *= self.accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1 else self.args.n_gpu
+            processes = (self.accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1
+                         else self.args.n_gpu)
         scaled_for_accumulation = getattr(self, "loss_is_scaled_for_ga", None)
         if scaled_for_accumulation is None:
             scaled_for_accumulation = ((self.model_accepts_loss_kwargs and num_items_in_batch is not None)
                                        or self.compute_loss_func is not None)
         if not scaled_for_accumulation:
-            scale /= self.current_gradient_accumulation_steps
-        return scale
+            accumulation = 1.0 / self.current_gradient_accumulation_steps
+        return processes, accumulation
 
-    def _record_loss_parts(self, model, inputs: dict, outputs, num_items_in_batch=None) -> None:
+    def _record_loss_parts(self, model, inputs: dict, outputs, loss: torch.Tensor, num_items_in_batch=None) -> None:
+        """Add the micro-batch's parts. `loss` is what `compute_loss` returns (Trainer's scaling applied), the one
+        `training_step` adds to the logged loss; `cls_loss` and `reg_loss` get the same scaling here."""
         if not (model.training and isinstance(outputs, dict) and outputs.get("cls_loss") is not None):
             return
-        scale = self._loss_scale(num_items_in_batch)
-        parts = {"loss": outputs["loss"], "cls_loss": outputs["cls_loss"],
-                 "reg_loss": self._reg_loss_share(model, inputs, outputs["reg_loss"], num_items_in_batch)}
+        processes, accumulation = self._loss_scales(num_items_in_batch)
+        parts = {"loss": loss.detach().float().mean() * accumulation,
+                 "cls_loss": outputs["cls_loss"].detach().float().mean() * processes * accumulation,
+                 "reg_loss": self._reg_loss_share(model, inputs, outputs["reg_loss"], num_items_in_batch
+                                                  ).detach().float().mean() * processes * accumulation}
         for name in _LOSS_PARTS:
-            self._loss_parts[name] = self._loss_parts[name] + parts[name].detach().float().mean() * scale
+            self._loss_parts[name] = self._loss_parts[name] + parts[name]
         self._loss_part_steps.add(self.state.global_step)
 
     def _reg_loss_share(self, model, inputs: dict, reg_loss: torch.Tensor, num_items_in_batch) -> torch.Tensor:

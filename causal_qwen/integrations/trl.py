@@ -80,7 +80,7 @@ class CausalQwenSFTTrainer(CausalQwenTrainer, SFTTrainer):
         loss_inputs = self._loss_inputs(inputs, num_items_in_batch)
         loss, outputs = Trainer.compute_loss(self, model, loss_inputs, return_outputs=True,
                                              num_items_in_batch=num_items_in_batch)
-        self._record_loss_parts(model, loss_inputs, outputs, num_items_in_batch)
+        self._record_loss_parts(model, loss_inputs, outputs, loss, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
