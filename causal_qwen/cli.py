@@ -285,7 +285,10 @@ def _examples(args, split: str | None = None, n: int | None = None) -> list:
     if args.data == "corpus":
         return [example.text for example in generate_corpus(n or args.num_examples, split=split or args.split,
                                                             seed=args.seed)]
-    return read_examples(args.data, args.text_column, args.prompt_column, args.completion_column)
+    try:
+        return read_examples(args.data, args.text_column, args.prompt_column, args.completion_column)
+    except ValueError as error:  # names the file and the line: the message is the whole story, not a traceback
+        raise SystemExit(f"causal-qwen {args.command}: {error}") from None
 
 
 def _eval_plan(args) -> tuple[int, int]:

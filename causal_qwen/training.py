@@ -20,18 +20,22 @@ that an argmax needs; `eval/accuracy` (see `metrics.py`) measures it on held-out
 from __future__ import annotations
 
 import math
+from collections.abc import Sized
 
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
+from transformers.utils import logging
 
 from .checks import check_positive_finite
 from .labels import IGNORE_INDEX, next_token_targets
 from .pairing import check_tokenizer_matches
-from .value_head import fit_value_head, refit_value_readout
+from .value_head import NotEnoughNumbersError, fit_value_head, refit_value_readout
 
 __all__ = ["CausalQwenTrainer", "LEARNING_RATE_SCALES", "ValueHeadStartCallback", "parameter_groups",
            "readout_parameters"]
+
+logger = logging.get_logger(__name__)
 
 # The parts of the model's loss logged beside Trainer's `loss`, in the order of their log keys.
 _LOSS_PARTS = ("loss", "cls_loss", "reg_loss")
@@ -155,7 +159,8 @@ class ValueHeadStartCallback(TrainerCallback):
     the checkpoint), or when a run resumes from a checkpoint (global step > 0): the checkpoint's weights hold the
     fit. The rows come from the training set read in order (the evaluation loader of `trainer.train_dataset`, so it
     does not consume the random state that shuffles training). Under several processes each reads its own shard and
-    the fit of process 0 is broadcast, so every replica starts from the same head.
+    the fit of process 0 is broadcast, so every replica starts from the same head. Data with fewer than 3 `<NUM>`
+    targets (text-only data has none) cannot be fitted: the start and the refits are then skipped, with one warning.
 
     With `refit_readout` the read-out (`w_reg`, `b_reg`, γ_Y) is held out of the optimizer (`requires_grad` False
     from this callback's construction to the end of training, so build it before `trainer.train()`), while the
@@ -235,16 +240,49 @@ class ValueHeadStartCallback(TrainerCallback):
         config = getattr(model, "config", None)
         if not _has_value_head(model) or config.value_head_fit is not None or resuming:
             return
-        self.fit = fit_value_head(model, self._train_rows(), max_positions=self.max_positions)
+        try:
+            fit, reason = fit_value_head(model, self._train_rows(), max_positions=self.max_positions), None
+        except NotEnoughNumbersError as error:  # text-only data: train without the start, from the head as it is
+            fit, reason = None, str(error)
+        # Process 0's head is broadcast, fitted or not (another process's shard may hold numbers where its does
+        # not, or none where its does): every replica starts from the same head.
+        reason = _from_process_zero(reason)
         _broadcast_value_head(model)
+        if reason is not None:
+            self._skip_refits(f"value head start skipped: the training data is too short of numbers ({reason}); the "
+                              "value head trains from where it is")
+            return
+        self.fit = fit
 
     def _refit(self, model, step: int) -> None:
         if not self.refit_readout or not _has_value_head(model) or self._refitted_step == step:
             return
-        fit = refit_value_readout(model, self._train_rows(), max_positions=self.max_positions)
+        try:
+            fit, reason = refit_value_readout(model, self._train_rows(), max_positions=self.max_positions), None
+        except NotEnoughNumbersError as error:
+            fit, reason = None, str(error)
+        reason = _from_process_zero(reason)
         _broadcast_readout(model)
+        if reason is not None:
+            self._skip_refits(f"value read-out refit skipped: the training data is too short of numbers ({reason})")
+            return
         self.refits.append((step, fit))
         self._refitted_step = step
+
+    def _skip_refits(self, message: str) -> None:
+        """Data without numbers has no read-out to fit: say so once, and refit nothing more."""
+        self.refit_readout = False
+        if self.trainer.is_world_process_zero():
+            logger.warning(message)
+
+
+def _from_process_zero(value):
+    """`value` of process 0, on every process (as it is without several processes)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _has_value_head(model) -> bool:
@@ -275,6 +313,26 @@ def _broadcast_value_head(model) -> None:
     fit = [model.config.value_head_fit]
     torch.distributed.broadcast_object_list(fit, src=0)
     model.config.value_head_fit = fit[0]
+
+
+def _warn_if_numbers_stay_digits(model, processing_class) -> None:
+    """A tokenizer that does not read numbers (a plain Qwen2 one) trains the model as text: say so, once."""
+    config = getattr(model, "config", None)
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)  # a processor
+    if (tokenizer is None or getattr(config, "model_type", None) != "causal_qwen" or not config.use_numeric
+            or getattr(tokenizer, "use_numeric", False)):
+        return
+    logger.warning(f"processing_class is a {type(tokenizer).__name__}, which does not read numbers: they stay digits, "
+                   "the data holds no <NUM> and the value head does not train. To train the numbers, pass the "
+                   "CausalQwenTokenizer saved with the model (CausalQwenTokenizer.from_pretrained).")
+
+
+def _check_not_empty(name: str, data) -> None:
+    """Refuse a dataset without examples by its name (Trainer's samplers fail on one deep inside torch)."""
+    for key, part in (data.items() if isinstance(data, dict) else [(None, data)]):
+        if isinstance(part, Sized) and len(part) == 0:
+            where = name if key is None else f"{name}[{key!r}]"
+            raise ValueError(f"{where} holds no examples: give the trainer at least one")
 
 
 class CausalQwenTrainer(Trainer):
@@ -308,6 +366,9 @@ class CausalQwenTrainer(Trainer):
             raise TypeError(f"refit_value_readout must be True or False, got {refit_value_readout!r}")
         super().__init__(*args, **kwargs)
         check_tokenizer_matches(self.model, self.processing_class)
+        _warn_if_numbers_stay_digits(self.model, self.processing_class)
+        _check_not_empty("train_dataset", self.train_dataset)
+        _check_not_empty("eval_dataset", self.eval_dataset)
         if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
             # ZeRO-3 partitions every parameter; the action network reads its heads' in its own forward.
             for module in self.model.modules():
@@ -324,6 +385,7 @@ class CausalQwenTrainer(Trainer):
             self.add_callback(self.value_head_start)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        _check_not_empty("train_dataset", self.train_dataset)
         if self.value_head_start is not None:
             self.value_head_start.hold_readout()  # before Trainer builds the optimizer (again, on a second call)
         if self.value_head_start is not None and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
@@ -386,35 +448,42 @@ class CausalQwenTrainer(Trainer):
         loss_inputs = self._loss_inputs(inputs, num_items_in_batch)
         loss, outputs = super().compute_loss(model, loss_inputs, return_outputs=True,
                                              num_items_in_batch=num_items_in_batch)
-        self._record_loss_parts(model, loss_inputs, outputs, num_items_in_batch)
+        self._record_loss_parts(model, loss_inputs, outputs, loss, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
-    def _loss_scale(self, num_items_in_batch) -> float:
-        """The factor by which `Trainer` turns the model's loss of a micro-batch into its share of the logged loss.
+    def _loss_scales(self, num_items_in_batch) -> tuple[float, float]:
+        """The factors by which `Trainer` turns the model's loss of a micro-batch into its share of the logged loss:
+        `(processes, accumulation)`.
 
-        With `num_items_in_batch` the model's loss is already its share of the step's mean, and Trainer multiplies it
-        by the processes whose shares it later averages; without, Trainer divides it by the accumulation steps.
+        With `num_items_in_batch` the model's loss is already its share of the step's mean, and `compute_loss`
+        multiplies it by the processes whose shares the log averages; without, `training_step` divides it by the
+        accumulation steps.
         """
-        scale = 1.0
+        processes = accumulation = 1.0
         kwargs_loss = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
         if self.args.average_tokens_across_devices and kwargs_loss and num_items_in_batch is not None:
-            scale *= self.accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1 else self.args.n_gpu
+            processes = (self.accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1
+                         else self.args.n_gpu)
         scaled_for_accumulation = getattr(self, "loss_is_scaled_for_ga", None)
         if scaled_for_accumulation is None:
             scaled_for_accumulation = ((self.model_accepts_loss_kwargs and num_items_in_batch is not None)
                                        or self.compute_loss_func is not None)
         if not scaled_for_accumulation:
-            scale /= self.current_gradient_accumulation_steps
-        return scale
+            accumulation = 1.0 / self.current_gradient_accumulation_steps
+        return processes, accumulation
 
-    def _record_loss_parts(self, model, inputs: dict, outputs, num_items_in_batch=None) -> None:
+    def _record_loss_parts(self, model, inputs: dict, outputs, loss: torch.Tensor, num_items_in_batch=None) -> None:
+        """Add the micro-batch's parts. `loss` is what `compute_loss` returns (Trainer's scaling applied), the one
+        `training_step` adds to the logged loss; `cls_loss` and `reg_loss` get the same scaling here."""
         if not (model.training and isinstance(outputs, dict) and outputs.get("cls_loss") is not None):
             return
-        scale = self._loss_scale(num_items_in_batch)
-        parts = {"loss": outputs["loss"], "cls_loss": outputs["cls_loss"],
-                 "reg_loss": self._reg_loss_share(model, inputs, outputs["reg_loss"], num_items_in_batch)}
+        processes, accumulation = self._loss_scales(num_items_in_batch)
+        parts = {"loss": loss.detach().float().mean() * accumulation,
+                 "cls_loss": outputs["cls_loss"].detach().float().mean() * processes * accumulation,
+                 "reg_loss": self._reg_loss_share(model, inputs, outputs["reg_loss"], num_items_in_batch
+                                                  ).detach().float().mean() * processes * accumulation}
         for name in _LOSS_PARTS:
-            self._loss_parts[name] = self._loss_parts[name] + parts[name].detach().float().mean() * scale
+            self._loss_parts[name] = self._loss_parts[name] + parts[name]
         self._loss_part_steps.add(self.state.global_step)
 
     def _reg_loss_share(self, model, inputs: dict, reg_loss: torch.Tensor, num_items_in_batch) -> torch.Tensor:

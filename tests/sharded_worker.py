@@ -8,6 +8,7 @@ Usage (the single process runs the global batch, 2 processes half of it each, un
 ENGINE is `single`, `ddp`, `fsdp2`, `zero2` or `zero3`; the FSDP2 and DeepSpeed settings are those of
 `FSDP2_CONFIG` and `DEEPSPEED_CONFIGS` below (docs/training.md quotes them). The main process writes to OUT_DIR:
 `params.pt` (every trainable parameter, whole, gathered from the shards), `losses.json` (the loss of each step),
+`loss_parts.json` (the loss parts logged beside it),
 `model/` (`trainer.save_model`, a full state dict) and, from every rank, `memory-RANK.json`. With `--uneven`, every
 other pair of examples has no number, so that one of 2 ranks gets batches without any.
 
@@ -227,6 +228,9 @@ def main() -> None:
         torch.save(params, out / "params.pt")
         losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
         (out / "losses.json").write_text(json.dumps(losses))
+        parts = {e["step"]: {k: e[k] for k in ("loss", "total_loss", "cls_loss_mean", "reg_loss_effective")}
+                 for e in trainer.state.log_history if "total_loss" in e}
+        (out / "loss_parts.json").write_text(json.dumps(parts))
 
 
 if __name__ == "__main__":

@@ -109,3 +109,23 @@ def test_train_and_eval_on_prompt_completion_data(tmp_path, qwen25_dir, capsys):
     # Scored positions: the completion's " ", <NUM>, " dollars", "." and the end of text; the numbers are the answers.
     assert metrics["eval/num_targets"] == len(pairs)
     assert metrics["eval/positions"] == 5 * len(pairs)
+
+
+def test_train_on_a_text_file_without_numbers_and_data_file_errors(tmp_path, qwen25_dir, capsys):
+    base = tmp_path / "base"
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(tiny_qwen2_config(vocab_size=151936)).eval().save_pretrained(base)
+    for name in TOKENIZER_FILES:
+        shutil.copy(qwen25_dir / name, base / name)
+    converted, trained = tmp_path / "cq", tmp_path / "trained"
+    assert main(["convert", str(base), str(converted)]) == 0
+    lines = tmp_path / "lines.txt"
+    lines.write_text("".join(f"The cat sat on mat number {word}.\n" for word in ("one", "two", "three", "four")))
+    assert main(["train", str(converted), str(trained), "--data", str(lines), "--max-steps", "2",
+                 "--batch-size", "2"]) == 0
+    after = CausalQwenForCausalLM.from_pretrained(trained)
+    assert after.config.value_head_fit is None  # no number to start it from: skipped, not an error
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(SystemExit, match=r"causal-qwen train: data file .*empty\.jsonl holds no examples"):
+        main(["train", str(converted), str(trained), "--data", str(empty), "--max-steps", "1"])

@@ -137,6 +137,19 @@ def test_ddp_with_a_rank_without_numbers_equals_one_process(runs):
     assert_same_training(runs.get("ddp", "--uneven"), runs.single("--uneven"))
 
 
+def test_ddp_logs_the_loss_parts_of_one_process(runs):
+    # Each process holds its share of the step's loss parts; the log averages them over the processes as Trainer
+    # averages `loss`, so the parts are the one-process ones and add up to `loss` (rank 1 has no number).
+    got, want = (json.loads((run / "loss_parts.json").read_text())
+                 for run in (runs.get("ddp", "--uneven"), runs.single("--uneven")))
+    assert got.keys() == want.keys() == {"1", "2", "3"}
+    for step, parts in want.items():
+        assert parts["reg_loss_effective"] > 0 and parts["total_loss"] == pytest.approx(parts["loss"], rel=1e-6)
+        assert got[step]["total_loss"] == pytest.approx(got[step]["loss"], rel=1e-6)
+        for key, value in parts.items():
+            assert got[step][key] == pytest.approx(value, rel=1e-5), (step, key)
+
+
 def test_fsdp2_saved_model_reloads_and_resume_continues(runs):
     assert_saved_model_gives_single_process_outputs(runs.get("fsdp2", "--save-steps", "2"), runs.single())
     assert_resume_ends_where_the_run_ends(runs, "fsdp2")

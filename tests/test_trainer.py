@@ -304,3 +304,34 @@ def test_logged_loss_parts_are_on_the_footing_of_loss_under_gradient_accumulatio
                                                         rel=1e-5)
         for key in ("cls_loss_mean", "reg_loss_effective"):
             assert four[key] == pytest.approx(one[key], rel=1e-4), key
+
+
+def test_text_only_data_trains_without_the_value_head_start(model, tmp_path, caplog):
+    # No number anywhere (text-only data, or a tokenizer that writes numbers as digits): nothing to fit the value
+    # head on, so the start is skipped with one warning and training goes on.
+    texts = [{"input_ids": example["input_ids"][:3] + example["input_ids"][4:7], "numeric_values": [0.0] * 6}
+             for example in dataset(16)]
+    assert not any(NUM in text["input_ids"] for text in texts)
+    before = model.action.cls_head.weight.detach().clone()
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, learning_rate=1e-2,
+                             report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, disable_tqdm=True)
+    trainer = CausalQwenTrainer(model=model, args=args, train_dataset=texts, data_collator=CausalQwenDataCollator(0))
+    with caplog.at_level("WARNING", logger="causal_qwen.training"):
+        trainer.train()
+    skipped = [r for r in caplog.records if "value head start skipped" in r.getMessage()]
+    assert len(skipped) == 1 and "no position whose label is <NUM>" in skipped[0].getMessage()
+    assert trainer.state.global_step == 2 and model.config.value_head_fit is None
+    assert not torch.equal(model.action.cls_head.weight, before)
+
+
+def test_an_empty_dataset_is_refused_by_name(model, tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, disable_tqdm=True)
+    with pytest.raises(ValueError, match="train_dataset holds no examples"):
+        CausalQwenTrainer(model=model, args=args, train_dataset=[], data_collator=CausalQwenDataCollator(0))
+    with pytest.raises(ValueError, match=r"eval_dataset\['b'\] holds no examples"):
+        CausalQwenTrainer(model=model, args=args, train_dataset=dataset(4), eval_dataset={"a": dataset(2), "b": []},
+                          data_collator=CausalQwenDataCollator(0))
+    trainer = CausalQwenTrainer(model=model, args=args, data_collator=CausalQwenDataCollator(0))
+    trainer.train_dataset = []
+    with pytest.raises(ValueError, match="train_dataset holds no examples"):
+        trainer.train()

@@ -155,3 +155,31 @@ def test_sft_trainer_keeps_the_value_readout_fitted(model, tokenizer, tmp_path):
     assert id(model.action.reg_head.weight) not in optimized and id(model.numeric_embedding.w_num) in optimized
     assert [step for step, _ in trainer.value_head_start.refits] == [2]
     assert model.config.value_head_fit is not None and model.action.reg_head.weight.requires_grad
+
+
+def test_a_plain_qwen_tokenizer_trains_text_only(model, qwen25_dir, tmp_path, caplog):
+    # A TRL user's tokenizer is often the base model's: numbers then stay digits (numeric_values 0, no <NUM>), the
+    # value-head start is skipped, and a warning names the tokenizer that trains the numbers.
+    from transformers import AutoTokenizer
+
+    plain = AutoTokenizer.from_pretrained(qwen25_dir)
+    with caplog.at_level("WARNING", logger="causal_qwen.training"):
+        trainer = CausalQwenSFTTrainer(model=model, args=config(tmp_path, max_steps=2), processing_class=plain,
+                                       train_dataset=Dataset.from_list([{"text": t} for t in TEXTS]))
+        trainer.train()
+    feature = trainer.train_dataset[0]
+    assert feature["input_ids"] == plain(TEXTS[0])["input_ids"] + [plain.eos_token_id]
+    assert feature["numeric_values"] == [0.0] * len(feature["input_ids"])
+    assert trainer.state.global_step == 2 and model.config.value_head_fit is None
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("does not read numbers" in m and "CausalQwenTokenizer" in m for m in messages) == 1
+    assert sum("value head start skipped" in m for m in messages) == 1
+
+
+def test_an_empty_dataset_is_refused_by_name(model, tokenizer, tmp_path):
+    empty = Dataset.from_list([{"text": TEXTS[0]}]).select([])
+    with pytest.raises(ValueError, match="train_dataset holds no examples"):
+        CausalQwenSFTTrainer(model=model, args=config(tmp_path), processing_class=tokenizer, train_dataset=empty)
+    with pytest.raises(ValueError, match="eval_dataset holds no examples"):
+        CausalQwenSFTTrainer(model=model, args=config(tmp_path), processing_class=tokenizer,
+                             train_dataset=Dataset.from_list([{"text": t} for t in TEXTS]), eval_dataset=empty)

@@ -28,7 +28,7 @@ from trl.data_utils import is_conversational
 from ..checks import keeping_own_forward
 from ..data.collator import CausalQwenDataCollator
 from ..data.texts import tokenize_examples
-from ..training import CausalQwenTrainer
+from ..training import CausalQwenTrainer, _check_not_empty
 
 __all__ = ["CausalQwenSFTTrainer"]
 
@@ -53,6 +53,9 @@ class CausalQwenSFTTrainer(CausalQwenTrainer, SFTTrainer):
       conversational data (`messages`, or conversational prompt/completion) is rendered with the tokenizer's chat
       template first. A dataset that already has `input_ids` is used as it is (give it `numeric_values`).
     - the default collator is `CausalQwenDataCollator.from_tokenizer(processing_class)`.
+    - a tokenizer that does not read numbers (the base model's plain Qwen2 tokenizer) trains the model as text, as
+      SFTTrainer would: numbers stay digits, `numeric_values` are 0, the value head's start is skipped, and a
+      warning names the `CausalQwenTokenizer` that trains the numbers.
 
     Not supported (a `ValueError` names them): `packing`, `padding_free`, `assistant_only_loss`, `loss_type` other
     than `"nll"`, `compute_loss_func` and label smoothing (each would replace the model's loss), `truncation_mode=
@@ -63,6 +66,9 @@ class CausalQwenSFTTrainer(CausalQwenTrainer, SFTTrainer):
                  learning_rate_scales: dict[str, float] | None = None, value_head_start: bool = True, **kwargs: Any):
         _check_supported(args, kwargs)
         collator_given = (rest[0] if rest else kwargs.get("data_collator")) is not None
+        # SFTTrainer reads the first example of each dataset before anything else: refuse an empty one first.
+        for i, name in ((1, "train_dataset"), (2, "eval_dataset")):
+            _check_not_empty(name, rest[i] if len(rest) > i else kwargs.get(name))
         with keeping_own_forward():  # the model leaves out the fused head SFTTrainer installs
             super().__init__(model, args, *rest, learning_rate_scales=learning_rate_scales,
                              value_head_start=value_head_start, **kwargs)
@@ -71,9 +77,10 @@ class CausalQwenSFTTrainer(CausalQwenTrainer, SFTTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The model's own loss, as `Trainer` computes it (SFTTrainer's would call TRL's fused softmax head)."""
-        loss, outputs = Trainer.compute_loss(self, model, self._loss_inputs(inputs, num_items_in_batch),
-                                             return_outputs=True, num_items_in_batch=num_items_in_batch)
-        self._record_loss_parts(model, outputs)
+        loss_inputs = self._loss_inputs(inputs, num_items_in_batch)
+        loss, outputs = Trainer.compute_loss(self, model, loss_inputs, return_outputs=True,
+                                             num_items_in_batch=num_items_in_batch)
+        self._record_loss_parts(model, loss_inputs, outputs, loss, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
