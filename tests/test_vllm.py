@@ -239,6 +239,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_vllm_serve_answers_completions_with_numbers(tiny_with_tokenizer):
     """vLLM's OpenAI-compatible server on the saved folder, on loopback: numbers in the prompt (ids and vllm_xargs)
     give the library's greedy tokens, a text prompt with numbers is refused with a 400, and the server shuts down
