@@ -111,6 +111,7 @@ def test_train_and_eval_on_prompt_completion_data(tmp_path, qwen25_dir, capsys):
     assert metrics["eval/positions"] == 5 * len(pairs)
 
 
+@pytest.mark.slow
 def test_train_on_a_text_file_without_numbers_and_data_file_errors(tmp_path, qwen25_dir, capsys):
     base = tmp_path / "base"
     torch.manual_seed(0)
