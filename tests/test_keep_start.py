@@ -224,7 +224,7 @@ def test_the_num_decision_starts_from_the_prompts_next_tokens(tiny_qwen):
         with torch.no_grad():
             scores = model(batch["input_ids"], numeric_values=batch["numeric_values"],
                            attention_mask=batch["attention_mask"])
-        p = model.action.ovr_probability(scores.loc_S.double(), scores.scale_S.double())
+        p = model.ovr_probabilities(scores.loc_S.double(), scores.scale_S.double())
         chosen, truth = (p.argmax(-1) == NUM)[known], (expected == NUM)[known]
         return 2 * (chosen & truth).sum().item() / (chosen.sum() + truth.sum()).item()
 
@@ -238,5 +238,5 @@ def test_the_num_decision_starts_from_the_prompts_next_tokens(tiny_qwen):
     # Standard mode now picks <NUM> before the prompt's number too, which no label marks.
     with torch.no_grad():
         scores = model(batch["input_ids"], numeric_values=batch["numeric_values"])
-    p = model.action.ovr_probability(scores.loc_S.double(), scores.scale_S.double())
+    p = model.ovr_probabilities(scores.loc_S.double(), scores.scale_S.double())
     assert (p[:, 2].argmax(-1) == NUM).double().mean().item() > 0.5

@@ -139,7 +139,8 @@ def test_lora_through_peft_config_trains_adapters_and_causal_modules(model, toke
                       modules_to_save=["numeric_embedding", "abduction", "action"])
     trainer = CausalQwenSFTTrainer(model=model, args=config(tmp_path, max_steps=2), processing_class=tokenizer,
                                    train_dataset=Dataset.from_list([{"text": t} for t in TEXTS]), peft_config=lora)
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    # Every parameter: the value read-out is held out of the optimizer until training ends, then refitted.
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     moved = {n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])}
     for part in ("lora_A", "abduction.modules_to_save", "reg_head", "numeric_embedding.modules_to_save"):
