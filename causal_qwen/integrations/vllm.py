@@ -186,8 +186,7 @@ class RequestNumbers:
 
     def numbers(self, num_token_id: int, value_transform: str) -> list[GeneratedNumber]:
         """The `<NUM>`s of the output with their values and 90% intervals."""
-        from ..cauchy import quantile
-        from ..loss import untransform_values
+        from ..cauchy import central_interval, untransform_values
 
         found = []
         start = len(self.prompt_ids)
@@ -195,10 +194,10 @@ class RequestNumbers:
             if token != num_token_id or start + index not in self.predicted:
                 continue
             value, loc, scale = self.predicted[start + index]
-            # As the library's `value_interval` computes it, from the float32 distribution of the heads.
-            loc_t, scale_t = torch.tensor([loc]), torch.tensor([scale])
-            lower, upper = (float(untransform_values(quantile(loc_t, scale_t, p), value_transform)[0])
-                            for p in (0.05, 0.95))
+            # As the library's `value_interval` computes it: the heads' float32 distribution, in float64.
+            loc_t, scale_t = (torch.tensor([x], dtype=torch.float64) for x in (loc, scale))
+            lower, upper = (float(untransform_values(bound, value_transform)[0])
+                            for bound in central_interval(loc_t, scale_t, 0.9))
             found.append(GeneratedNumber(index, value, lower, upper))
         return found
 
@@ -435,7 +434,7 @@ class CausalQwenForVLLM(nn.Module):
 
 
 def untransform(y: torch.Tensor, transform: str) -> torch.Tensor:
-    from ..loss import untransform_values
+    from ..cauchy import untransform_values
 
     return untransform_values(y, transform)
 
