@@ -1,24 +1,21 @@
-"""Shared fixtures: tiny Qwen2 models built in-process, and the real Qwen2.5-0.5B built offline.
+"""Shared fixtures: tiny Qwen2 models built in-process, and the folder of the real Qwen2.5-0.5B.
 
 The real Qwen2.5-0.5B (weights and tokenizer) comes from the fixture `qwen25_dir`, and every test that asks for it,
 directly or through another fixture, must be marked `slow`: collection stops otherwise, so that
-`python -m pytest -m "not slow"` runs on a clone of the repository alone. When the checkpoint is neither built nor
-buildable here, those tests skip with a message that says how to get it; with CAUSAL_QWEN_REQUIRE_REAL=1 (set by CI)
+`python -m pytest -m "not slow"` runs on a clone of the repository alone. When the folder (CAUSAL_QWEN_QWEN25_DIR, or
+~/.cache/causal_qwen/qwen2.5-0.5b) holds no checkpoint, those tests skip with a message that says how to get it; with CAUSAL_QWEN_REQUIRE_REAL=1 (set by CI)
 they fail instead, so that they cannot pass unrun.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-QWEN25_TOOL = REPO_ROOT.parent / "shared" / "tools" / "get-qwen25-0.5b"
 QWEN25_DIR = Path(os.environ.get("CAUSAL_QWEN_QWEN25_DIR", Path.home() / ".cache" / "causal_qwen" / "qwen2.5-0.5b"))
 QWEN25_FIXTURE = "qwen25_dir"
 REQUIRE_REAL = os.environ.get("CAUSAL_QWEN_REQUIRE_REAL", "") not in ("", "0")
@@ -58,21 +55,17 @@ def _qwen25_is_built(folder: Path) -> bool:
 
 @pytest.fixture(scope="session")
 def qwen25_dir() -> Path:
-    """Folder of the real Qwen2.5-0.5B (weights + tokenizer); built once by the offline tool, then cached."""
+    """Folder of the real Qwen2.5-0.5B (weights + tokenizer): CAUSAL_QWEN_QWEN25_DIR, or the default cache folder."""
     if _qwen25_is_built(QWEN25_DIR):
         return QWEN25_DIR
-    if not QWEN25_TOOL.exists():
-        message = (
-            f"the real Qwen2.5-0.5B is not at {QWEN25_DIR} and its offline builder {QWEN25_TOOL} is absent: build it "
-            f"with `get-qwen25-0.5b {QWEN25_DIR}` (the tool of ../shared/tools/ beside the repository), or point "
-            "CAUSAL_QWEN_QWEN25_DIR at a Qwen2.5-0.5B folder (config.json, model.safetensors, tokenizer files)"
-        )
-        if REQUIRE_REAL:
-            pytest.fail(f"CAUSAL_QWEN_REQUIRE_REAL is set and {message}")
-        pytest.skip(message)
-    QWEN25_DIR.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([str(QWEN25_TOOL), str(QWEN25_DIR), "--python", sys.executable], check=True)
-    return QWEN25_DIR
+    message = (
+        f"the real Qwen2.5-0.5B is not at {QWEN25_DIR}: point CAUSAL_QWEN_QWEN25_DIR at a Qwen2.5-0.5B folder "
+        "(config.json, model.safetensors, tokenizer files), for example one written by "
+        "`Qwen2ForCausalLM.from_pretrained(...).save_pretrained(DIR)` and its tokenizer's `save_pretrained(DIR)`"
+    )
+    if REQUIRE_REAL:
+        pytest.fail(f"CAUSAL_QWEN_REQUIRE_REAL is set and {message}")
+    pytest.skip(message)
 
 
 @pytest.fixture(autouse=True)
