@@ -172,6 +172,19 @@ def _read_rows(model, batches: Iterable[Mapping[str, torch.Tensor]], max_positio
                       torch.cat(labels) if labels else torch.empty(0, dtype=torch.bool))
 
 
+def _read_rows_in_eval(model, batches: Iterable[Mapping[str, torch.Tensor]], max_positions: int,
+                       max_decision_positions: int, caller: str) -> _StartRows:
+    """`_read_rows` with dropout off, for a CausalQwen with a value head (named by `caller` when it has none)."""
+    if not getattr(model.config, "use_numeric", False) or getattr(model, "action", None) is None:
+        raise ValueError(f"{caller} needs a CausalQwen model with use_numeric=True (it has a value head)")
+    was_training = model.training
+    model.eval()
+    try:
+        return _read_rows(model, batches, max_positions, max_decision_positions)
+    finally:
+        model.train(was_training)
+
+
 def value_head_rows(
     model, batches: Iterable[Mapping[str, torch.Tensor]], max_positions: int = 4096
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -377,14 +390,7 @@ def refit_value_readout(
     every evaluation and checkpoint and at the end of training ([`ValueHeadStartCallback`]). The `<NUM>` decision
     and `config.value_head_fit` (the record of the start) are left as they are.
     """
-    if not getattr(model.config, "use_numeric", False) or getattr(model, "action", None) is None:
-        raise ValueError("refit_value_readout needs a CausalQwen model with use_numeric=True (it has a value head)")
-    was_training = model.training
-    model.eval()
-    try:
-        rows = _read_rows(model, batches, max_positions)
-    finally:
-        model.train(was_training)
+    rows = _read_rows_in_eval(model, batches, max_positions, 0, "refit_value_readout")
     penalty, error, noise = _write_readout(model, rows.x, rows.y, penalties)
     return ValueHeadFit(positions=int(rows.x.shape[0]), penalty=penalty, loo_median_abs_error=error,
                         regression_noise=noise)
@@ -421,20 +427,14 @@ def fit_value_head(
 
         >>> fit = fit_value_head(model, trainer.get_eval_dataloader(train_dataset))   # plain Trainer
     """
-    if not getattr(model.config, "use_numeric", False) or getattr(model, "action", None) is None:
-        raise ValueError("fit_value_head needs a CausalQwen model with use_numeric=True (it has a value head)")
     if not isinstance(num_row, bool):
         raise TypeError(f"num_row must be a bool, got {type(num_row).__name__}")
     if not isinstance(max_decision_positions, int) or isinstance(max_decision_positions, bool) \
             or max_decision_positions < 1:
         raise ValueError(f"max_decision_positions must be a positive int, got {max_decision_positions!r}")
+    rows = _read_rows_in_eval(model, batches, max_positions, max_decision_positions if num_row else 0,
+                              "fit_value_head")
     action = model.action
-    was_training = model.training
-    model.eval()
-    try:
-        rows = _read_rows(model, batches, max_positions, max_decision_positions if num_row else 0)
-    finally:
-        model.train(was_training)
     penalty, error, noise = _write_readout(model, rows.x, rows.y, penalties)
     decision = {}
     if num_row:

@@ -2,9 +2,9 @@
 
 The real Qwen2.5-0.5B (weights and tokenizer) comes from the fixture `qwen25_dir`, and every test that asks for it,
 directly or through another fixture, must be marked `slow`: collection stops otherwise, so that
-`python -m pytest -m "not slow"` runs on a clone of the repository alone. When the folder (CAUSAL_QWEN_QWEN25_DIR, or
-~/.cache/causal_qwen/qwen2.5-0.5b) holds no checkpoint, those tests skip with a message that says how to get it; with CAUSAL_QWEN_REQUIRE_REAL=1 (set by CI)
-they fail instead, so that they cannot pass unrun.
+`python -m pytest -m "not slow"` runs on a clone of the repository alone. When the folder (CAUSAL_QWEN_QWEN25_DIR,
+or ~/.cache/causal_qwen/qwen2.5-0.5b) holds no checkpoint, those tests skip with a message that says how to get
+it; with CAUSAL_QWEN_REQUIRE_REAL=1 (set by CI) they fail instead, so that they cannot pass unrun.
 """
 
 from __future__ import annotations

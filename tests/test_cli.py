@@ -84,15 +84,20 @@ def test_convert_generate_train_eval(tmp_path, qwen25_dir, capsys):
     assert (plots / "predictions.png").stat().st_size > 0 and (plots / "u_scale.png").stat().st_size > 0
 
 
-@pytest.mark.slow
-def test_train_and_eval_on_prompt_completion_data(tmp_path, qwen25_dir, capsys):
-    base = tmp_path / "base"
+def _converted_tiny(tmp_path, qwen25_dir):
+    """A tiny random Qwen2 with the real tokenizer, converted by `causal-qwen convert`; its folder."""
+    base, converted = tmp_path / "base", tmp_path / "cq"
     torch.manual_seed(0)
     Qwen2ForCausalLM(tiny_qwen2_config(vocab_size=151936)).eval().save_pretrained(base)
     for name in TOKENIZER_FILES:
         shutil.copy(qwen25_dir / name, base / name)
-    converted, trained = tmp_path / "cq", tmp_path / "trained"
     assert main(["convert", str(base), str(converted)]) == 0
+    return converted
+
+
+@pytest.mark.slow
+def test_train_and_eval_on_prompt_completion_data(tmp_path, qwen25_dir, capsys):
+    converted, trained = _converted_tiny(tmp_path, qwen25_dir), tmp_path / "trained"
     pairs = [{"q": f"{a} apples at {b} dollars each cost", "a": f" {a * b} dollars."}
              for a in range(2, 8) for b in (3, 5, 1.5)]
     data = tmp_path / "pairs.jsonl"
@@ -113,13 +118,7 @@ def test_train_and_eval_on_prompt_completion_data(tmp_path, qwen25_dir, capsys):
 
 @pytest.mark.slow
 def test_train_on_a_text_file_without_numbers_and_data_file_errors(tmp_path, qwen25_dir, capsys):
-    base = tmp_path / "base"
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(tiny_qwen2_config(vocab_size=151936)).eval().save_pretrained(base)
-    for name in TOKENIZER_FILES:
-        shutil.copy(qwen25_dir / name, base / name)
-    converted, trained = tmp_path / "cq", tmp_path / "trained"
-    assert main(["convert", str(base), str(converted)]) == 0
+    converted, trained = _converted_tiny(tmp_path, qwen25_dir), tmp_path / "trained"
     lines = tmp_path / "lines.txt"
     lines.write_text("".join(f"The cat sat on mat number {word}.\n" for word in ("one", "two", "three", "four")))
     assert main(["train", str(converted), str(trained), "--data", str(lines), "--max-steps", "2",
