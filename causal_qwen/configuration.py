@@ -17,9 +17,10 @@ _FLOAT_FIELDS = (
     "abduction_scale_init", "noise_init", "ovr_threshold", "gate_alpha", "reg_loss_weight", "scale_min",
     "abduction_anchor_weight", "regression_noise",
 )
-_BOOL_FIELDS = ("use_numeric", "freeze_backbone", "learnable_threshold", "detach_gate", "tie_word_embeddings")
+_BOOL_FIELDS = ("use_numeric", "freeze_backbone", "learnable_threshold", "detach_gate", "tie_word_embeddings",
+                "context_values")
 # Integer fields that may be None, with their smallest allowed value.
-_INT_FIELDS = {"num_token_id": 0, "causal_size": 1, "conversion_seed": 0}
+_INT_FIELDS = {"num_token_id": 0, "causal_size": 1, "conversion_seed": 0, "context_values_rank": 1}
 # Keywords that `PretrainedConfig` takes without a field of that name (it pops or converts them).
 _INIT_KEYWORDS = ("attn_implementation", "experts_implementation", "output_attentions", "num_labels", "torch_dtype",
                   "rope_theta", "rope_scaling", "name_or_path")
@@ -27,7 +28,8 @@ _CHECKED_FIELDS = frozenset((*_FLOAT_FIELDS, *_BOOL_FIELDS, *_INT_FIELDS, "value
 # Fields that fill a model's tensors or decide its modules when it is built (the rest are read at every use). Once a
 # model is built on a config, assigning one of them goes through that model, which applies or refuses it.
 MODEL_FIELDS = frozenset(("ovr_threshold", "noise_init", "abduction_scale_init", "regression_noise", "use_numeric",
-                          "causal_size", "learnable_threshold", "abduction_anchor_weight"))
+                          "causal_size", "learnable_threshold", "abduction_anchor_weight", "context_values",
+                          "context_values_rank"))
 # The models built on each live config, by its id (a config is not hashable); an entry goes with its config.
 _MODELS_OF_CONFIG: dict[int, weakref.WeakSet] = {}
 
@@ -99,6 +101,13 @@ class CausalQwenConfig(Qwen2Config):
         conversion_seed (`int`, *optional*):
             The seed of the random weights drawn by [`CausalQwenForCausalLM.from_qwen`] (`w_num`, `w_reg`), recorded
             by it so that a checkpoint tells how to rebuild it; `None` for a model that was not converted.
+        context_values (`bool`, defaults to `False`):
+            The abduction network reads the values of the earlier `<NUM>` tokens of the text (a pointer that copies
+            one, a log-space and a raw-space combination of them, and an input-dependent width of the value's
+            noise; docs/design.md §1b). On for new conversions ([`CausalQwenForCausalLM.from_qwen`]); off, the model
+            is the one without the path exactly, and checkpoints saved without it load with it off.
+        context_values_rank (`int`, defaults to 16):
+            The rank r of the path's scores and weights.
 
     Example:
 
@@ -134,6 +143,8 @@ class CausalQwenConfig(Qwen2Config):
     regression_noise: float | None = None
     value_head_fit: dict | None = None
     conversion_seed: int | None = None
+    context_values: bool = False
+    context_values_rank: int = 16
 
     def __post_init__(self, **kwargs):
         if self.causal_size is None:
@@ -205,6 +216,11 @@ class CausalQwenConfig(Qwen2Config):
             )
         if self.regression_noise > 0 and not self.use_numeric:
             raise ValueError("regression_noise needs the regression head: use_numeric=False has none")
+        if self.context_values and not self.use_numeric:
+            raise ValueError("context_values needs the numeric embedding and the regression head: use_numeric=False "
+                             "has neither")
+        if self.context_values_rank is None:
+            raise TypeError("context_values_rank must be an int, got NoneType")
 
     def validate_causal_fields(self) -> None:
         """Part of `@strict` validation (`save_pretrained` runs it): every field and the relations between them."""

@@ -199,7 +199,8 @@ def _copy_qwen_weights(
 ) -> None:
     """Backbone unchanged, lm_head → cls_head (a separate copy); a grown `<NUM>` row starts at zero.
 
-    The weights that are not copied but drawn (w_num, w_reg) come from `generator`, in that order, in float32.
+    The weights that are not copied but drawn (w_num, w_reg, the context path's scores) come from `generator`, in
+    that order, in float32.
     """
     state = source.model.state_dict()
     embed_key = "embed_tokens.weight"
@@ -217,6 +218,8 @@ def _copy_qwen_weights(
     if model.action.reg_head is not None:
         weight = model.action.reg_head.weight
         weight.copy_(_normal(weight.shape, model.config.initializer_range, generator))
+    if model.abduction.context_values is not None:
+        model.abduction.context_values.reset_parameters(generator, keep_loaded=False)
 
 
 def _normal(shape: torch.Size, std: float, generator: torch.Generator) -> torch.Tensor:

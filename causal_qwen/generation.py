@@ -232,7 +232,7 @@ class CausalGenerationState:
         return self.pending[0] if self.pending is not None else None
 
     def decide(
-        self, action, loc_u: torch.Tensor, scale_u: torch.Tensor
+        self, action, loc_u: torch.Tensor, scale_u: torch.Tensor, context=None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
         """The mode's decision scores and distributions at the positions the loop reads.
 
@@ -242,6 +242,7 @@ class CausalGenerationState:
                 and one more when assisted decoding verifies candidates). Each mode decides them all, except
                 `causal` mode with a fresh individual per step, which decides the last one only (its draw belongs
                 to one step).
+            context: the abduction's read of the context's values at those positions (`ContextRead`), or None.
 
         Returns:
             `logits` `[R, k, V]`, the scores the generation loop ranks (`loc_S` in `traditional` mode, else the
@@ -252,6 +253,7 @@ class CausalGenerationState:
         traditional = self.mode == "traditional"
         if self.draws_each_step:
             loc_u, scale_u = loc_u[:, -1:], scale_u[:, -1:]
+            context = context.last(1) if context is not None else None
         if self.mode == "causal":
             loc_in, scale_in = action.head_inputs(loc_u, scale_u, individual=self._draw(loc_u).unsqueeze(1))
         elif self.shared_noise:
@@ -266,7 +268,7 @@ class CausalGenerationState:
         self._decided_rows = loc_u.shape[1]
         if action.reg_head is not None:
             self.has_values = True
-            loc_y, scale_y = action.regress(loc_in, scale_in)
+            loc_y, scale_y = action.regress(loc_in, scale_in, context)
             self._pending, self._predicted = None, (loc_y, scale_y)
         logits = loc_s if traditional else action.margin(loc_s, scale_s)
         return logits, {"loc_S": loc_s, "scale_S": scale_s, "loc_Y": loc_y, "scale_Y": scale_y}

@@ -28,6 +28,7 @@ from . import cauchy
 from .cauchy import kl_divergence, symlog, untransform_values
 from .checks import check_forward_inputs, check_forward_replacement
 from .configuration import CausalQwenConfig, bind_model
+from .context_values import CausalQwenContextValues, ContextRead
 from .conversion import convert_qwen
 from .generation import CausalGenerationState, CausalQwenGenerationMixin
 from .labels import IGNORE_INDEX, next_token_targets
@@ -39,6 +40,8 @@ _MODULE_FIELDS = {
     "use_numeric": "whether the model has a numeric embedding and a regression head",
     "causal_size": "the size of the abduction and action layers",
     "learnable_threshold": "whether action.threshold is a trainable parameter",
+    "context_values": "whether the abduction network reads the context's values (abduction.context_values)",
+    "context_values_rank": "the size of abduction.context_values",
 }
 # Fields that only fill tensors when a model is built, and those tensors: an edit of the field (or a value given to
 # `from_pretrained`) fills them again, so that the model is the one its config describes.
@@ -187,6 +190,8 @@ class CausalQwenAbduction(nn.Module):
         super().__init__()
         self.loc_net = nn.Linear(config.hidden_size, config.causal_size)
         self.scale_net = nn.Linear(config.hidden_size, config.causal_size)
+        self.context_values = (CausalQwenContextValues(config.hidden_size, config.context_values_rank)
+                               if config.context_values else None)
         self.config = config
 
     @property
@@ -199,6 +204,27 @@ class CausalQwenAbduction(nn.Module):
         loc = self.loc_net(hidden_states)
         scale = nn.functional.softplus(self.scale_net(hidden_states)).clamp(min=self.scale_min)
         return loc, scale
+
+    def read_context(
+        self,
+        hidden_states: torch.Tensor,
+        input_ids: torch.Tensor | None,
+        numeric_values: torch.Tensor | None,
+        query_index: torch.Tensor,
+        cache: Cache | None = None,
+    ) -> ContextRead | None:
+        """The read of the earlier `<NUM>` values (docs/design.md §1b) at the new positions `query_index`, or None
+        without the path. `hidden_states` `[B, S, H]` are the new positions' features."""
+        if self.context_values is None:
+            return None
+        if input_ids is None:
+            is_num = hidden_states.new_zeros(hidden_states.shape[:2], dtype=torch.bool)
+        else:
+            is_num = input_ids == self.config.num_token_id
+        values = numeric_values if numeric_values is not None else torch.zeros(is_num.shape, dtype=torch.float64,
+                                                                              device=is_num.device)
+        return self.context_values(hidden_states, is_num, values, self.config.value_transform,
+                                   query_index=query_index, cache=cache)
 
 
 @dataclass
@@ -301,6 +327,7 @@ class CausalQwenAction(nn.Module):
         memory_budget: int | None = None,
         shift_labels: torch.Tensor | None = None,
         shift_numeric_labels: torch.Tensor | None = None,
+        context: ContextRead | None = None,
     ) -> CausalQwenActionOutput:
         """The heads on `(loc_U, scale_U)` `[B, S, C]`, and with `labels` the loss of docs/design.md §4.
 
@@ -313,6 +340,7 @@ class CausalQwenAction(nn.Module):
             chunk_size, vocab_chunk_size, memory_budget: tiling of the fused loss (`chunked_loss.chunked_ovr_loss`).
             shift_labels, shift_numeric_labels: targets already shifted, as in [`CausalQwenForCausalLM.forward`];
                 with them the loss is computed (from them) even without `labels`.
+            context: the abduction's read of the context's values, for the value head (`regress`).
         """
         self._check_zero3_heads()
         scale = self.noisy_scale(scale_u)
@@ -320,7 +348,7 @@ class CausalQwenAction(nn.Module):
         if output_distributions:
             loc_s, scale_s = self.classify(loc_u, scale)
         if self.reg_head is not None:
-            loc_y, scale_y = self.regress(loc_u, scale)
+            loc_y, scale_y = self.regress(loc_u, scale, context)
         losses = None
         if labels is not None or shift_labels is not None:
             options = asdict(loss_options or LossOptions.from_config(self.config))
@@ -434,13 +462,22 @@ class CausalQwenAction(nn.Module):
     def clear_cache(self) -> None:
         """Nothing is cached any more (|W_cls| is built block by block, see `classify`); kept for existing callers."""
 
-    def regress(self, loc: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Regression output `(loc_Y, scale_Y)` `[...]` from a Cauchy input `[..., C]`."""
-        loc_y, scale_y = cauchy.linear(loc, scale, self.reg_head.weight, self.reg_head.bias)
-        scale_y = scale_y.squeeze(-1)
-        if self.reg_log_noise is not None:
-            scale_y = scale_y + self.reg_log_noise.exp().to(scale_y.dtype).reshape(())
-        return loc_y.squeeze(-1), scale_y.clamp(min=self.scale_min)
+    def regress(
+        self, loc: torch.Tensor, scale: torch.Tensor, context: ContextRead | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Regression output `(loc_Y, scale_Y)` `[...]` from a Cauchy input `[..., C]`.
+
+        With the abduction's `context` read (docs/design.md §1b), the linear law is weighted by π_0 and the read's
+        offset and width enter: loc_Y = π_0·(w_reg·loc + b_reg) + m, scale_Y = π_0·|w_reg|·scale + γ_Y·ρ.
+        """
+        loc_y, spread = cauchy.linear(loc, scale, self.reg_head.weight, self.reg_head.bias)
+        loc_y, spread = loc_y.squeeze(-1), spread.squeeze(-1)
+        noise = self.reg_log_noise.exp().to(spread.dtype).reshape(()) if self.reg_log_noise is not None else 0.0
+        if context is not None:
+            loc_y, scale_y = context.apply(loc_y, spread, noise)
+        else:
+            scale_y = spread + noise
+        return loc_y, scale_y.clamp(min=self.scale_min)
 
     def margin(self, loc_s: torch.Tensor, scale_s: torch.Tensor) -> torch.Tensor:
         """The standardised margin z_k = (loc_S,k − C_k) / scale_S,k in fp32, `[..., V]`.
@@ -514,6 +551,10 @@ class CausalQwenPreTrainedModel(Qwen2PreTrainedModel):
         elif any(module is a.scale_net for a in abductions):
             init.zeros_(module.weight)
             init.constant_(module.bias, inverse_softplus(config.abduction_scale_init))
+        elif isinstance(module, CausalQwenContextValues):
+            module.reset_parameters()
+        elif any(module in a.context_values.children() for a in abductions if a.context_values is not None):
+            pass  # the path's layers start with the path (above), not as generic Linear layers
         elif isinstance(module, CausalQwenNumericEmbedding):
             init.normal_(module.w_num, mean=0.0, std=config.initializer_range)
             init.zeros_(module.d_num)
@@ -673,13 +714,18 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
             use_cache=use_cache,
             **kwargs,
         )
-        hidden_states = outputs.last_hidden_state
-        if not has_targets:
-            hidden_states = keep_positions(hidden_states, logits_to_keep)
+        new_states = outputs.last_hidden_state
+        kept = 0 if has_targets else logits_to_keep
+        hidden_states = keep_positions(new_states, kept)
         loc_u, scale_u = self.abduction(hidden_states)
+        context = None
+        if self.abduction.context_values is not None:
+            index = keep_positions(torch.arange(new_states.shape[1], device=new_states.device)[None, :, None], kept)
+            cache = outputs.past_key_values if outputs.past_key_values is not None else past_key_values
+            context = self.abduction.read_context(new_states, input_ids, numeric_values, index[..., 0], cache)
 
         if generation_state is not None:
-            logits, distributions = generation_state.decide(self.action, loc_u, scale_u)
+            logits, distributions = generation_state.decide(self.action, loc_u, scale_u, context)
             heads = CausalQwenActionOutput(**distributions)
             rows = logits.shape[1]  # the positions the mode decided
             loc_u, scale_u = loc_u[:, -rows:], scale_u[:, -rows:]
@@ -691,7 +737,7 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
                 loc_u, scale_u, labels, numeric_labels if numeric_labels is not None else numeric_values,
                 output_distributions=output_distributions, num_items_in_batch=num_items_in_batch,
                 num_numbers_in_batch=num_numbers_in_batch,
-                shift_labels=shift_labels, shift_numeric_labels=shift_numeric_labels,
+                shift_labels=shift_labels, shift_numeric_labels=shift_numeric_labels, context=context,
             )
             logits = heads.loc_S
             if has_targets:

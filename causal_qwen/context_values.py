@@ -1,0 +1,225 @@
+"""The abduction's read of the values stated earlier in the text (docs/design.md §1b, docs/math.md).
+
+At position t the value Y_t has, besides the seeds' linear read-out of U, candidates built from the values y_j of
+the `<NUM>` tokens j ≤ t of the same sequence (y = T(v), T the `value_transform`):
+
+- a copy of each y_j, weighted by a pointer (rank-r scores of z_t and z_j);
+- a log-space combination ℓ_t = Σ_j b_tj·symlog(v_j) (products, ratios, rates), as the value symexp(ℓ_t);
+- a raw-space combination r_t = Σ_j c_tj·v_j (sums, differences, averages, unit factors), as the value r_t;
+
+with b_tj, c_tj rank-r bilinear weights of z_t and z_j. One softmax over the linear read-out, the copies and the two
+combinations gives their weights π (the linear read-out is the pointer's sink: with no earlier number π_0 = 1). The
+value stays Cauchy given the context, the action network's linear law weighted by π_0:
+
+    loc_Y = π_0·(w_reg·loc_U + b_reg) + m_t,  m_t = Σ_j π_j·y_j + π_ℓ·T(symexp(ℓ_t)) + π_r·T(r_t)
+    scale_Y = π_0·|w_reg|·scale_U' + γ_Y·ρ_t,  ρ_t = exp(a·z_t + β·π̄_t) > 0
+
+where π̄_t = (π_0, Σ_j π_j, π_ℓ, π_r): the width of the value's own noise depends on the input and on what the path
+chose, so a copy can get a narrow interval and a guess a wide one. With no earlier number and a, β at 0 this is the
+model without the path exactly.
+
+The keys (three rank-r maps of z_j) and the values (y_j, v_j, and whether j is a `<NUM>`) are held as one more layer
+of the generation cache, so beams reorder it, assisted decoding crops it and a static cache preallocates it as it
+does the backbone's layers; they are kept in float64, which holds the tokenizer's values to every digit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
+
+from .cauchy import symexp, symlog, transform_values
+
+# The scores of the candidates that are not copies, in this order, and the score each starts from: the linear
+# read-out at 0, the two combinations well below it, so that a start from data moves them only where they help.
+CANDIDATES = ("linear", "log", "raw")
+_START_SCORES = (0.0, -4.0, -4.0)
+# A log-space combination beyond this is past float64's range once exponentiated.
+_MAX_LOG = 700.0
+
+
+@dataclass
+class ContextRead:
+    """What the path read at each kept position, `[B, S]` each, float64.
+
+    `linear_weight` is π_0, `offset` is m_t and `width` is ρ_t of the module's formulas.
+    """
+
+    linear_weight: torch.Tensor
+    offset: torch.Tensor
+    width: torch.Tensor
+
+    def apply(
+        self, loc_linear: torch.Tensor, spread_linear: torch.Tensor, noise_scale: torch.Tensor | float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(loc_Y, scale_Y)` from the linear law's location and its spread |w_reg|·scale_U' (without γ_Y)."""
+        weight = self.linear_weight
+        loc = weight * loc_linear.double() + self.offset
+        scale = weight * spread_linear.double() + self.width * noise_scale
+        return loc.to(loc_linear.dtype), scale.to(spread_linear.dtype)
+
+    def last(self, rows: int) -> ContextRead:
+        """The read of the last `rows` positions."""
+        return ContextRead(self.linear_weight[:, -rows:], self.offset[:, -rows:], self.width[:, -rows:])
+
+
+class CausalQwenContextValues(nn.Module):
+    """The pointer and the two combinations over the earlier `<NUM>` values, and the width ρ (module docstring)."""
+
+    def __init__(self, hidden_size: int, rank: int):
+        super().__init__()
+        self.rank = rank
+        # Queries and keys of the copy scores, the log-space and the raw-space weights: three rank-r maps each.
+        self.query = nn.Linear(hidden_size, 3 * rank)
+        self.key = nn.Linear(hidden_size, 3 * rank)
+        self.choice = nn.Linear(hidden_size, len(CANDIDATES))
+        self.width = nn.Linear(hidden_size, 1)
+        self.width_by_choice = nn.Parameter(torch.zeros(len(CANDIDATES) + 1))
+
+    def start_tensors(self, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """The start of a new path, by parameter name: small copy scores, combinations of weight 0 whose gradient
+        is not (a gain at 0 on both factors would be a saddle, so their queries start constant and their keys at
+        0), the linear read-out's score above the combinations', and ρ = 1. Random draws from `generator`."""
+        r, hidden = self.rank, self.query.in_features
+        tensors = {}
+        for name in ("query", "key"):
+            weight = torch.randn((3 * r, hidden), generator=generator, device="cpu") * hidden ** -0.5
+            weight[r:] = 0.0
+            tensors[f"{name}.weight"] = weight
+        tensors["query.bias"] = torch.cat((torch.zeros(r), torch.full((2 * r,), r ** -0.5)))
+        tensors["key.bias"] = torch.zeros(3 * r)
+        tensors["choice.weight"] = torch.zeros(self.choice.weight.shape)
+        tensors["choice.bias"] = torch.tensor(_START_SCORES)
+        tensors["width.weight"] = torch.zeros(self.width.weight.shape)
+        tensors["width.bias"] = torch.zeros(1)
+        tensors["width_by_choice"] = torch.zeros(len(CANDIDATES) + 1)
+        return tensors
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None, *, keep_loaded: bool = True) -> None:
+        """Write `start_tensors`; with `keep_loaded`, through transformers' init helpers, which leave a tensor
+        loaded from a checkpoint as it is."""
+        params = dict(self.named_parameters())
+        for name, tensor in self.start_tensors(generator).items():
+            if keep_loaded:
+                init.copy_(params[name], tensor)
+            else:
+                params[name].copy_(tensor)
+
+    def entries(
+        self, hidden_states: torch.Tensor, is_num: torch.Tensor, values: torch.Tensor, value_transform: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys `[B, S, 3r]` and values `[B, S, 3]` (y, v, is `<NUM>`) of new positions, float64."""
+        keys = self.key(hidden_states).double()
+        values = torch.where(is_num, values.double(), 0.0)
+        entries = torch.stack((transform_values(values, value_transform), values, is_num.double()), dim=-1)
+        return keys, entries
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        is_num: torch.Tensor,
+        values: torch.Tensor,
+        value_transform: str,
+        *,
+        query_index: torch.Tensor,
+        cache: Cache | None = None,
+    ) -> ContextRead:
+        """Read the context at the new positions `query_index`.
+
+        Args:
+            hidden_states: `[B, S, H]`, the backbone's features of the new positions.
+            is_num, values: `[B, S]`, where the new positions are `<NUM>` and their values (0 elsewhere).
+            value_transform: the config's transform T.
+            query_index: `[1, S']` or `[B, S']`, the new positions whose value is read (those the heads keep).
+            cache: the generation cache; one layer after the backbone's holds the path's entries.
+        """
+        keys, entries = self.entries(hidden_states, is_num, values, value_transform)
+        new = torch.arange(hidden_states.shape[1], device=keys.device)
+        if cache is not None:
+            layer = context_layer(cache)
+            before = layer.get_seq_length()
+            before = before.clone() if isinstance(before, torch.Tensor) else before  # `update` adds to it in place
+            keys, entries = (t[:, 0] for t in layer.update(keys[:, None], entries[:, None]))
+            key_positions = torch.arange(keys.shape[1], device=keys.device)[None]
+            new = new + before
+            if not isinstance(layer, StaticLayer):  # a static cache keeps its shapes for a compiled forward
+                keys, entries, key_positions = _numbers_only(keys, entries)
+        else:
+            keys, entries, key_positions = _numbers_only(keys, entries)
+        query_positions = new[query_index]
+        queries = torch.take_along_dim(hidden_states, query_index[..., None], dim=1)
+        visible = (entries[..., 2] > 0)[:, None, :] & (key_positions[:, None, :] <= query_positions[:, :, None])
+        return self.read(queries, keys, entries, visible, value_transform)
+
+    def read(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        entries: torch.Tensor,
+        visible: torch.Tensor,
+        value_transform: str,
+    ) -> ContextRead:
+        """The read of queries `[B, T, H]` over keys `[B, L, 3r]` and entries `[B, L, 3]`, `visible` `[B, T, L]`."""
+        r = self.rank
+        q = self.query(queries).double()
+        copy_q, log_q, raw_q = q.split(r, dim=-1)
+        copy_k, log_k, raw_k = keys.split(r, dim=-1)
+        y, v = entries[..., 0], entries[..., 1]
+        copy_scores = (copy_q @ copy_k.transpose(1, 2) * r ** -0.5).masked_fill(~visible, float("-inf"))
+        any_visible = visible.any(-1)
+        choice = self.choice(queries).double()
+        # The combinations exist only where there is an earlier number: without one the read is the linear law's.
+        choice = torch.cat((choice[..., :1], choice[..., 1:].masked_fill(~any_visible[..., None], float("-inf"))), -1)
+        weights = torch.cat((choice, copy_scores), -1).softmax(-1)
+        linear, log_weight, raw_weight, copies = weights[..., 0], weights[..., 1], weights[..., 2], weights[..., 3:]
+        mask = visible.double()
+        log_combination = ((log_q @ log_k.transpose(1, 2)) * mask) @ symlog(v)[..., None]
+        raw_combination = ((raw_q @ raw_k.transpose(1, 2)) * mask) @ v[..., None]
+        offset = (copies * mask) @ y[..., None]
+        offset = offset.squeeze(-1)
+        offset = offset + log_weight * _log_candidate(log_combination.squeeze(-1), value_transform)
+        offset = offset + raw_weight * transform_values(raw_combination.squeeze(-1), value_transform)
+        summary = torch.stack((linear, copies.sum(-1), log_weight, raw_weight), -1)
+        width = (self.width(queries).double().squeeze(-1) + summary @ self.width_by_choice.double()).exp()
+        return ContextRead(linear, offset, width)
+
+
+def _log_candidate(log_combination: torch.Tensor, transform: str) -> torch.Tensor:
+    """T(symexp(ℓ)), the value of a log-space combination in the head's space."""
+    if transform == "symlog":
+        return log_combination
+    return symexp(log_combination.clamp(-_MAX_LOG, _MAX_LOG))
+
+
+def _numbers_only(keys: torch.Tensor, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The entries of the `<NUM>` positions only (K the most of any row), with their positions `[B, K]`.
+
+    Without a cache every position is new, and only the K ≪ S numbers can be read: scoring them alone costs
+    O(S·K·r) instead of O(S²·r).
+    """
+    is_num = entries[..., 2] > 0
+    count = int(is_num.sum(-1).max()) if is_num.numel() else 0
+    order = torch.argsort((~is_num).to(torch.uint8), dim=-1, stable=True)[:, :count]
+    take = order[..., None]
+    keys = torch.take_along_dim(keys, take, dim=1)
+    entries = torch.take_along_dim(entries, take, dim=1)
+    return keys, entries, order
+
+
+def context_layer(cache: Cache) -> DynamicLayer | StaticLayer:
+    """The cache layer that holds the path's entries: one after the backbone's, added on first use."""
+    owner = getattr(cache, "self_attention_cache", cache)  # an encoder-decoder cache holds the decoder's
+    if not hasattr(owner, "_context_values_layer"):
+        reference = owner.layers[0] if owner.layers else None
+        if isinstance(reference, StaticLayer):
+            layer = StaticLayer(max_cache_len=reference.max_cache_len)
+        else:
+            layer = DynamicLayer()
+        owner.layers.append(layer)
+        owner._context_values_layer = len(owner.layers) - 1
+    return owner.layers[owner._context_values_layer]

@@ -1,0 +1,225 @@
+"""The context-value path (docs/design.md §1b) against a float64 re-implementation, the model without it, a full
+forward (cached decoding, beams, a static cache) and an exact copy."""
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from causal_qwen import CausalQwenConfig, CausalQwenForCausalLM
+
+NUM = 120
+PAD = 0
+RANK = 4
+
+
+def _perturb(model, seed: int = 7) -> None:
+    """Give every parameter of the path a random value, so that no term of the read is 0 or 1 by construction."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.abduction.context_values.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * 0.4)
+        model.action.reg_head.weight.normal_(0.0, 0.5, generator=g)
+        model.action.reg_head.bias.fill_(0.3)
+
+
+@pytest.fixture
+def model(tiny_qwen):
+    model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM, context_values=True,
+                                            context_values_rank=RANK, abduction_scale_init=0.05).eval()
+    _perturb(model)
+    return model
+
+
+def numbers_batch():
+    torch.manual_seed(3)
+    ids = torch.randint(1, 100, (2, 12))
+    values = torch.zeros(2, 12, dtype=torch.float64)
+    for b, where, vals in ((0, (2, 5, 9), (3.5, -120.25, 0.002)), (1, (1, 8), (4.0e5, 7.0))):
+        for position, value in zip(where, vals, strict=True):
+            ids[b, position], values[b, position] = NUM, value
+    return ids, values
+
+
+def symlog(v):
+    return math.copysign(math.log1p(abs(v)), v)
+
+
+def reference_value(model, ids, values):
+    """loc_Y, scale_Y `[B, S]` in float64 from the formulas of docs/math.md, one position and one number at a time."""
+    path, action = model.abduction.context_values, model.action
+    with torch.no_grad():
+        embeds = model.numeric_embedding(model.model.embed_tokens(ids), ids, values)
+        z = model.model(inputs_embeds=embeds).last_hidden_state.double()
+        loc_u, scale_u = (t.double() for t in model.abduction(z.float()))
+    p = {name: t.detach().double() for name, t in path.named_parameters()}
+    w, b = action.reg_head.weight.detach().double()[0], float(action.reg_head.bias.detach())
+    gamma = math.exp(float(action.reg_log_noise))
+    noise = action.b_noise.double().abs()
+    r = path.rank
+    loc_y = torch.zeros(ids.shape, dtype=torch.float64)
+    scale_y = torch.zeros(ids.shape, dtype=torch.float64)
+    for i in range(ids.shape[0]):
+        for t in range(ids.shape[1]):
+            q = p["query.weight"] @ z[i, t] + p["query.bias"]
+            choice = p["choice.weight"] @ z[i, t] + p["choice.bias"]
+            numbers = [j for j in range(t + 1) if int(ids[i, j]) == NUM]
+            scores = [float(choice[0])] + ([float(choice[1]), float(choice[2])] if numbers else [])
+            copies, log_sum, raw_sum = [], 0.0, 0.0
+            for j in numbers:
+                k = p["key.weight"] @ z[i, j] + p["key.bias"]
+                v = float(values[i, j])
+                scores.append(float(q[:r] @ k[:r]) / math.sqrt(r))
+                copies.append(symlog(v))
+                log_sum += float(q[r:2 * r] @ k[r:2 * r]) * symlog(v)
+                raw_sum += float(q[2 * r:] @ k[2 * r:]) * v
+            top = max(scores)
+            e = [math.exp(s - top) for s in scores]
+            pi = [x / sum(e) for x in e]
+            linear = pi[0]
+            log_w, raw_w = (pi[1], pi[2]) if numbers else (0.0, 0.0)
+            copy_w = pi[3:] if numbers else []
+            offset = sum(a * y for a, y in zip(copy_w, copies, strict=True)) + log_w * log_sum + raw_w * symlog(raw_sum)
+            summary = [linear, sum(copy_w), log_w, raw_w]
+            rho = math.exp(float(p["width.weight"][0] @ z[i, t] + p["width.bias"][0])
+                           + sum(a * c for a, c in zip(summary, p["width_by_choice"].tolist(), strict=True)))
+            loc_lin = float(w @ loc_u[i, t]) + b
+            spread = float(w.abs() @ (scale_u[i, t] + noise))
+            loc_y[i, t] = linear * loc_lin + offset
+            scale_y[i, t] = linear * spread + gamma * rho
+    return loc_y, scale_y
+
+
+def test_value_equals_its_formula(model):
+    ids, values = numbers_batch()
+    with torch.no_grad():
+        out = model(ids, numeric_values=values)
+    loc_y, scale_y = reference_value(model, ids, values)
+    torch.testing.assert_close(out.loc_Y.double(), loc_y, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(out.scale_Y.double(), scale_y, rtol=2e-5, atol=2e-5)
+    # The read is not trivial here: positions after a number differ from the linear law's value.
+    without = CausalQwenForCausalLM(CausalQwenConfig(**{**model.config.to_dict(), "context_values": False})).eval()
+    without.load_state_dict(model.state_dict(), strict=False)
+    with torch.no_grad():
+        plain = without(ids, numeric_values=values)
+    assert (out.loc_Y[0, 2:] - plain.loc_Y[0, 2:]).abs().min() > 1e-3
+
+
+def test_without_earlier_numbers_the_model_is_the_one_without_the_path(model):
+    """With a, β at their start (ρ = 1) and no number in the text, every output equals the model without the path."""
+    with torch.no_grad():
+        model.abduction.context_values.width.weight.zero_()
+        model.abduction.context_values.width.bias.zero_()
+        model.abduction.context_values.width_by_choice.zero_()
+    config = CausalQwenConfig(**{**model.config.to_dict(), "context_values": False})
+    without = CausalQwenForCausalLM(config).eval()
+    missing, unexpected = without.load_state_dict(model.state_dict(), strict=False)
+    assert not missing and all(k.startswith("abduction.context_values.") for k in unexpected)
+    ids = torch.randint(1, 100, (2, 10))
+    with torch.no_grad():
+        a, b = model(ids), without(ids)
+    for name in ("logits", "loc_S", "scale_S", "loc_Y", "scale_Y", "loc_U", "scale_U"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_a_saturated_pointer_copies_the_value_exactly(model):
+    """Pointing at one earlier number, the median is that number to float64 precision in a float64 model."""
+    model = model.double()
+    path = model.abduction.context_values
+    with torch.no_grad():
+        path.choice.weight.zero_()
+        path.choice.bias.fill_(-60.0)
+        path.query.weight[:RANK].zero_()
+        path.key.weight[:RANK].zero_()
+        path.query.bias[:RANK].fill_(10.0)
+        path.key.bias[:RANK].fill_(10.0)
+        path.width.weight.zero_()
+        path.width_by_choice.zero_()
+        path.width.bias.fill_(-30.0)
+    ids = torch.randint(1, 100, (1, 8))
+    values = torch.zeros(1, 8, dtype=torch.float64)
+    ids[0, 3], values[0, 3] = NUM, 284959.937
+    with torch.no_grad():
+        out = model(ids, numeric_values=values)
+    median, lower, upper = model.value_interval(out.loc_Y, out.scale_Y, 0.9)
+    assert median[0, 3:].tolist() == pytest.approx([284959.937] * 5, rel=1e-13)
+    # The copy is read with a narrow interval: ρ = e^-30 and the linear law's weight e^-60 leave the scale at its
+    # floor, scale_min = 1e-6 in symlog units, a 90% interval of 2·tan(0.45π)·1e-6 ≈ 1.3e-5 of the value.
+    assert float((upper - lower)[0, -1]) < 2e-5 * 284959.937
+    assert median[0, :3].sub(284959.937).abs().min() > 1.0  # no number before position 3: the linear law
+
+
+def test_cached_decoding_equals_a_full_forward(model):
+    ids, values = numbers_batch()
+    with torch.no_grad():
+        full = model(ids, numeric_values=values)
+        cache = DynamicCache(config=model.config)
+        prefix = model(ids[:, :4], numeric_values=values[:, :4], past_key_values=cache, use_cache=True)
+        steps = [prefix.loc_Y]
+        for t in range(4, ids.shape[1]):
+            step = model(ids[:, t:t + 1], numeric_values=values[:, t:t + 1], past_key_values=cache, use_cache=True)
+            steps.append(step.loc_Y)
+    torch.testing.assert_close(torch.cat(steps, 1), full.loc_Y, rtol=1e-5, atol=1e-5)
+    assert len(cache.layers) == model.config.num_hidden_layers + 1
+    # Cropping (as assisted decoding does) drops the path's entries with the backbone's.
+    cache.crop(-3)
+    with torch.no_grad():
+        again = model(ids[:, -3:], numeric_values=values[:, -3:], past_key_values=cache, use_cache=True)
+    torch.testing.assert_close(again.loc_Y, full.loc_Y[:, -3:], rtol=1e-5, atol=1e-5)
+
+
+def _always_numbers(model):
+    with torch.no_grad():
+        model.action.threshold[NUM] = -1e4
+        model.action.cls_head.bias[NUM] = 1e3
+
+
+@pytest.mark.parametrize("options", [dict(mode="standard"), dict(mode="traditional"),
+                                     dict(mode="traditional", num_beams=2),
+                                     dict(mode="traditional", cache_implementation="static")],
+                         ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_written_numbers_join_the_context(model, options):
+    """Every written value is the median a full forward over the final text predicts there: the values written
+    before it were read from the path's cache entries (reordered by beams, preallocated by a static cache)."""
+    _always_numbers(model)
+    ids, values = numbers_batch()
+    mask = torch.ones_like(ids)
+    out = model.generate(ids, attention_mask=mask, numeric_values=values, max_new_tokens=5, pad_token_id=PAD,
+                         return_dict_in_generate=True, **options)
+    start = ids.shape[1]
+    assert (out.sequences[:, start:] == NUM).all()
+    with torch.no_grad():
+        full = model(out.sequences, numeric_values=out.numeric_values)
+    expected = model.to_value(full.loc_Y[:, start - 1:-1].double())
+    torch.testing.assert_close(out.numeric_values[:, start:], expected, rtol=1e-5, atol=1e-6)
+    assert out.numeric_values[0, start:].unique().numel() > 1
+
+
+def test_training_reaches_the_path(model):
+    model.train()
+    ids, values = numbers_batch()
+    labels = ids.clone()
+    for output_distributions in (True, False):
+        model.zero_grad()
+        out = model(ids, numeric_values=values, labels=labels, output_distributions=output_distributions)
+        out.loss.backward()
+        grads = {n: p.grad for n, p in model.abduction.context_values.named_parameters()}
+        assert all(g is not None and g.abs().sum() > 0 for g in grads.values()), output_distributions
+
+
+def test_save_and_load_keep_the_path(model, tmp_path):
+    model.save_pretrained(tmp_path)
+    loaded = CausalQwenForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.context_values and loaded.abduction.context_values is not None
+    ids, values = numbers_batch()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, numeric_values=values).loc_Y, model(ids, numeric_values=values).loc_Y)
+
+
+def test_config_refuses_the_path_without_numbers_and_on_a_built_model(model):
+    with pytest.raises(ValueError, match="context_values needs"):
+        CausalQwenConfig(vocab_size=128, hidden_size=32, num_attention_heads=4, use_numeric=False,
+                         context_values=True)
+    with pytest.raises(ValueError, match="context_values decides"):
+        model.config.context_values = False
