@@ -35,6 +35,7 @@ import torch
 
 from .cauchy import linear, transform_values
 from .checks import check_positive_finite
+from .context_start import ContextRows, fit_context_values
 from .labels import IGNORE_INDEX, next_token_targets
 
 __all__ = ["NotEnoughNumbersError", "ValueHeadFit", "fit_value_head", "known_next_tokens", "num_decision_start",
@@ -54,9 +55,11 @@ class NotEnoughNumbersError(ValueError):
 
 @dataclass
 class ValueHeadFit:
-    """What [`fit_value_head`] did: the rows it used, the penalty it chose and the residual scale it measured; and
-    for the `<NUM>` decision (None when off): the labelled positions it read, how far the `<NUM>` row moved
-    (‖Δw‖/‖w‖), the bias offset, and standard mode's num_f1 on those positions before and after.
+    """What [`fit_value_head`] did: the rows it used, the penalty it chose and the residual scale it measured; for
+    the `<NUM>` decision (None when off): the labelled positions it read, how far the `<NUM>` row moved
+    (‖Δw‖/‖w‖), the bias offset, and standard mode's num_f1 on those positions before and after; and for the
+    context-value path (None without it, `context_start.fit_context_values`): its rows, the held-out value NLL of
+    the linear read-out alone and of the path, and the step it kept (0: the linear read-out alone).
     """
 
     positions: int
@@ -68,6 +71,10 @@ class ValueHeadFit:
     num_bias_offset: float | None = None
     num_f1_before: float | None = None
     num_f1_after: float | None = None
+    context_rows: int | None = None
+    context_nll_linear: float | None = None
+    context_nll: float | None = None
+    context_step: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -89,6 +96,8 @@ class _StartRows:
     u_scale: torch.Tensor
     rival: torch.Tensor
     is_num: torch.Tensor
+    x_scale: torch.Tensor | None = None  # scale_U at the rows of `x`, with the context-value path
+    context: ContextRows | None = None  # the path's rows, aligned with `x`
 
 
 @torch.no_grad()
@@ -130,37 +139,23 @@ def known_next_tokens(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
 @torch.no_grad()
 def _read_rows(model, batches: Iterable[Mapping[str, torch.Tensor]], max_positions: int,
                max_decision_positions: int = 0) -> _StartRows:
-    num_id = model.config.num_token_id
-    action = model.action
     device = next(model.parameters()).device
-    xs, ys, us, u_scales, rivals, labels = [], [], [], [], [], []
+    xs, ys, us, u_scales, rivals, labels, x_scales = [], [], [], [], [], [], []
     count = decided = 0
-    for batch in batches:
-        values = batch.get("numeric_labels")
-        targets, next_values = next_token_targets(batch["labels"],
-                                                  values if values is not None else batch["numeric_values"])
-        where = targets == num_id
-        if not bool(where.any()):
-            continue
-        inputs = {k: batch[k].to(device) for k in ("input_ids", "numeric_values", "attention_mask", "position_ids")
-                  if batch.get(k) is not None}
-        out = model(**inputs, logits_to_keep=0, output_distributions=False)
-        xs.append(out.loc_U[where.to(device)].double().cpu())
-        ys.append(next_values[where].double().cpu())
-        count += int(where.sum())
-        if decided < max_decision_positions:
-            following = known_next_tokens(batch)
-            known = following != IGNORE_INDEX
-            loc, scale = action.head_inputs(out.loc_U[known.to(device)], out.scale_U[known.to(device)])
-            keep = max_decision_positions - decided
-            loc, scale = loc[:keep], scale[:keep]
-            us.append(loc.double().cpu())
-            u_scales.append(scale.double().cpu())
-            rivals.append(_rival_margin(action, loc, scale, num_id))
-            labels.append((following[known] == num_id)[:keep].cpu())
-            decided += len(loc)
-        if count >= max_positions and decided >= max_decision_positions:
-            break
+    context = ContextRows() if getattr(model.abduction, "context_values", None) is not None else None
+    features = {}
+    hook = model.model.register_forward_hook(
+        lambda module, args, output: features.update(z=output.last_hidden_state)) if context is not None else None
+    try:
+        for batch in batches:
+            if _read_batch(model, batch, device, max_decision_positions - decided, (xs, ys, us, u_scales, rivals,
+                           labels, x_scales), context, features):
+                count, decided = sum(len(t) for t in xs), sum(len(t) for t in us)
+            if count >= max_positions and decided >= max_decision_positions:
+                break
+    finally:
+        if hook is not None:
+            hook.remove()
     if not xs:
         raise NotEnoughNumbersError("batches hold no position whose label is <NUM>: there is nothing to fit the value "
                                     "head on")
@@ -169,7 +164,43 @@ def _read_rows(model, batches: Iterable[Mapping[str, torch.Tensor]], max_positio
     return _StartRows(x, transform_values(y, model.config.value_transform),
                       torch.cat(us) if us else empty, torch.cat(u_scales) if u_scales else empty,
                       torch.cat(rivals) if rivals else torch.empty(0, dtype=torch.float64),
-                      torch.cat(labels) if labels else torch.empty(0, dtype=torch.bool))
+                      torch.cat(labels) if labels else torch.empty(0, dtype=torch.bool),
+                      torch.cat(x_scales)[:max_positions], context)
+
+
+def _read_batch(model, batch, device, decisions_left: int, out: tuple, context: ContextRows | None,
+                features: dict) -> bool:
+    """Append one batch's rows to the lists of `out`; False when it has no `<NUM>` label."""
+    xs, ys, us, u_scales, rivals, labels, x_scales = out
+    num_id = model.config.num_token_id
+    action = model.action
+    values = batch.get("numeric_labels")
+    targets, next_values = next_token_targets(batch["labels"],
+                                              values if values is not None else batch["numeric_values"])
+    where = targets == num_id
+    if not bool(where.any()):
+        return False
+    inputs = {k: batch[k].to(device) for k in ("input_ids", "numeric_values", "attention_mask", "position_ids")
+              if batch.get(k) is not None}
+    out = model(**inputs, logits_to_keep=0, output_distributions=False)
+    xs.append(out.loc_U[where.to(device)].double().cpu())
+    x_scales.append(out.scale_U[where.to(device)].double().cpu())
+    ys.append(next_values[where].double().cpu())
+    if context is not None:
+        numbers = batch.get("numeric_values")
+        if numbers is None:
+            numbers = torch.zeros(batch["input_ids"].shape, dtype=torch.float64)
+        context.add(features["z"], batch["input_ids"], numbers, where, num_id)
+    if decisions_left > 0:
+        following = known_next_tokens(batch)
+        known = following != IGNORE_INDEX
+        loc, scale = action.head_inputs(out.loc_U[known.to(device)], out.scale_U[known.to(device)])
+        loc, scale = loc[:decisions_left], scale[:decisions_left]
+        us.append(loc.double().cpu())
+        u_scales.append(scale.double().cpu())
+        rivals.append(_rival_margin(action, loc, scale, num_id))
+        labels.append((following[known] == num_id)[:decisions_left].cpu())
+    return True
 
 
 def _read_rows_in_eval(model, batches: Iterable[Mapping[str, torch.Tensor]], max_positions: int,
@@ -437,6 +468,8 @@ def fit_value_head(
     action = model.action
     penalty, error, noise = _write_readout(model, rows.x, rows.y, penalties)
     decision = {}
+    if rows.context is not None:
+        decision.update(fit_context_values(model, rows.context, rows.x, rows.x_scale, rows.y))
     if num_row:
         num_id = model.config.num_token_id
         row = action.cls_head.weight[num_id]

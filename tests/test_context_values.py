@@ -223,3 +223,43 @@ def test_config_refuses_the_path_without_numbers_and_on_a_built_model(model):
                          context_values=True)
     with pytest.raises(ValueError, match="context_values decides"):
         model.config.context_values = False
+
+
+def _repeat_batches(n_batches: int, seed: int):
+    """Texts that state a number and repeat it five tokens later: a value the linear read-out cannot know."""
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(n_batches):
+        ids = torch.randint(1, 100, (16, 10), generator=g)
+        values = torch.zeros(16, 10, dtype=torch.float64)
+        stated = torch.exp(torch.rand(16, generator=g, dtype=torch.float64) * 8.0).round(decimals=2)
+        ids[:, 2], ids[:, 7] = NUM, NUM
+        values[:, 2], values[:, 7] = stated, stated
+        batches.append(dict(input_ids=ids, numeric_values=values, labels=ids.clone(),
+                            attention_mask=torch.ones_like(ids)))
+    return batches
+
+
+def _repeat_error(model, batches) -> float:
+    errors = []
+    with torch.no_grad():
+        for batch in batches:
+            out = model(batch["input_ids"], numeric_values=batch["numeric_values"])
+            median = model.value_interval(out.loc_Y[:, 6], out.scale_Y[:, 6])[0]
+            truth = batch["numeric_values"][:, 7]
+            errors.append(((median - truth).abs() / truth).median())
+    return float(torch.stack(errors).median())
+
+
+def test_the_start_from_data_fits_the_path_to_copy(tiny_qwen):
+    from causal_qwen.value_head import fit_value_head
+
+    results = {}
+    for on in (False, True):
+        model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM, context_values=on,
+                                                context_values_rank=RANK).eval()
+        fit = fit_value_head(model, _repeat_batches(12, seed=1), num_row=False)
+        results[on] = (_repeat_error(model, _repeat_batches(3, seed=2)), fit)
+    (without, _), (with_path, fit) = results[False], results[True]
+    assert fit.context_step > 0 and fit.context_nll < fit.context_nll_linear
+    assert without > 0.3 and with_path < 0.05, (without, with_path)

@@ -1,0 +1,152 @@
+"""Start the context-value path (docs/design.md §1b) from data, with the value head.
+
+The path's scores are rank-r maps of the backbone's features z (896 dimensions in Qwen2.5-0.5B), and a few
+thousand rows cannot fit them directly. The start works in the leading principal components of z on the rows:
+it fits a path of the same form on those coordinates (Adam on the value's Cauchy NLL, the regression loss of
+docs/design.md §4, with the read-out `w_reg`, `b_reg` and γ_Y as the ridge start left them), keeps the step of least
+NLL on held-out rows, and writes it back into the model's path as maps of z (a map of the coordinates is a map of
+z). Where the path does not beat the linear read-out alone on the held-out rows, it starts as the linear read-out
+(the copies and combinations at weight ≈ 0, ρ = 1), and the record says so.
+
+The rows are the positions whose next label is `<NUM>` (the value head's rows), each with the features and the
+values of the `<NUM>` tokens of its text up to it (the latest `max_context`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+
+from .cauchy import nll
+from .context_values import CausalQwenContextValues
+
+__all__ = ["ContextRows", "fit_context_values"]
+
+MAX_CONTEXT = 16
+"""Earlier numbers each row keeps (the latest ones) for the start; the model itself reads all of them."""
+
+_DIMS = 64
+_STEPS = 300
+_LEARNING_RATE = 1e-2
+_HELD_OUT_EVERY = 5  # every fifth row is held out to choose the step
+# The linear read-out's score when the path does not help: every other candidate's weight is below e^-40.
+_LINEAR_ONLY_SCORE = 40.0
+
+
+@dataclass
+class ContextRows:
+    """Per value-head row: the query's features `[N, H]`, the earlier numbers' features `[N, J, H]`, their values
+    `[N, J]` (float64) and which are present `[N, J]`. Gathered batch by batch by [`ContextRows.add`]."""
+
+    queries: list = field(default_factory=list)
+    keys: list = field(default_factory=list)
+    values: list = field(default_factory=list)
+    present: list = field(default_factory=list)
+
+    @torch.no_grad()
+    def add(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, numeric_values: torch.Tensor,
+            where: torch.Tensor, num_token_id: int, max_context: int = MAX_CONTEXT) -> None:
+        """The rows of one batch: `where` `[B, S]` marks the positions whose next label is `<NUM>`."""
+        hidden = hidden_states.float().cpu()
+        is_num = (input_ids == num_token_id).cpu()
+        values = numeric_values.double().cpu()
+        for b, t in where.nonzero().tolist():
+            earlier = is_num[b, :t + 1].nonzero().flatten()[-max_context:]
+            keys = torch.zeros(max_context, hidden.shape[-1])
+            vals = torch.zeros(max_context, dtype=torch.float64)
+            present = torch.zeros(max_context, dtype=torch.bool)
+            keys[:len(earlier)] = hidden[b, earlier]
+            vals[:len(earlier)] = values[b, earlier]
+            present[:len(earlier)] = True
+            self.queries.append(hidden[b, t])
+            self.keys.append(keys)
+            self.values.append(vals)
+            self.present.append(present)
+
+    def stacked(self, rows: int) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.stack(part[:rows]) for part in (self.queries, self.keys, self.values, self.present))
+
+
+def _coordinates(queries: torch.Tensor, keys: torch.Tensor, present: torch.Tensor, dims: int):
+    """Standardised principal coordinates of z: `(mean [H], map [H, d])` with c = (z − mean) @ map."""
+    points = torch.cat((queries, keys[present])).double()
+    mean = points.mean(0)
+    _, s, vh = torch.linalg.svd(points - mean, full_matrices=False)
+    dims = min(dims, len(s))
+    scale = (s[:dims] / max(len(points) - 1, 1) ** 0.5).clamp(min=1e-9)
+    return mean, vh[:dims].T / scale
+
+
+def _value(path, transform, queries, keys, values, present, loc_linear, spread, noise):
+    """The value's `(loc, scale)` `[N]` through `path` on coordinates (`ContextRead.apply`)."""
+    key_maps, entries = path.entries(keys, present, values, transform)
+    read = path.read(queries[:, None], key_maps, entries, present[:, None], transform)
+    return read.apply(loc_linear[:, None], spread[:, None], noise)
+
+
+def fit_context_values(model, rows: ContextRows, x: torch.Tensor, scale_u: torch.Tensor, y: torch.Tensor,
+                       seed: int = 0) -> dict:
+    """Fit `model.abduction.context_values` on the value head's rows and write it; returns the record.
+
+    Args:
+        rows: the path's rows, aligned with `x` (loc_U `[N, C]`), `scale_u` (scale_U `[N, C]`) and `y` (the
+            targets in the head's space `[N]`), float64.
+    """
+    path: CausalQwenContextValues = model.abduction.context_values
+    action = model.action
+    n = min(len(rows.queries), len(y))
+    queries, keys, values, present = rows.stacked(n)
+    x, scale_u, y = x[:n].double(), scale_u[:n].double(), y[:n].double()
+    w = action.reg_head.weight.detach().double().cpu()[0]
+    loc_linear = x @ w + float(action.reg_head.bias)
+    spread = (scale_u + action.b_noise.detach().double().cpu().abs()) @ w.abs()
+    noise = float(action.reg_log_noise.exp()) if action.reg_log_noise is not None else 0.0
+    mean, to_coords = _coordinates(queries, keys, present, _DIMS)
+    cq, ck = (queries.double() - mean) @ to_coords, ((keys.double() - mean) @ to_coords) * present[..., None]
+    transform, floor = model.config.value_transform, model.config.scale_min
+    held = torch.arange(n) % _HELD_OUT_EVERY == 0
+
+    parts = (cq, ck, values, present, loc_linear, spread, y)
+    split = {True: [t[held] for t in parts], False: [t[~held] for t in parts]}
+
+    def loss(small, on_held_out: bool):
+        *inputs, target = split[on_held_out]
+        loc, scale = _value(small, transform, *inputs, noise)
+        return nll(target, loc[:, 0], scale[:, 0].clamp(min=floor)).mean()
+
+    generator = torch.Generator().manual_seed(seed)
+    small = CausalQwenContextValues(cq.shape[1], path.rank).double()
+    small.reset_parameters(generator, keep_loaded=False)
+    linear_only = copy.deepcopy(small)
+    with torch.no_grad():
+        linear_only.choice.bias[0] = _LINEAR_ONLY_SCORE
+        baseline = float(loss(linear_only, True))
+    optimizer = torch.optim.Adam(small.parameters(), lr=_LEARNING_RATE)
+    best = (baseline, None, 0)
+    for step in range(1, _STEPS + 1):
+        optimizer.zero_grad()
+        with torch.enable_grad():  # the value head's start runs under no_grad
+            loss(small, False).backward()
+        optimizer.step()
+        with torch.no_grad():
+            held_out = float(loss(small, True))
+        if held_out < best[0]:
+            best = (held_out, copy.deepcopy(small.state_dict()), step)
+    chosen = linear_only.state_dict() if best[1] is None else best[1]
+    _write_back(path, chosen, mean, to_coords)
+    return {"context_rows": n, "context_nll_linear": baseline, "context_nll": best[0], "context_step": best[2]}
+
+
+@torch.no_grad()
+def _write_back(path: CausalQwenContextValues, small: dict, mean: torch.Tensor, to_coords: torch.Tensor) -> None:
+    """Write a path fitted on coordinates c = (z − mean) @ to_coords as maps of z: W·c + b = (W·to_coordsᵀ)·z +
+    (b − W·to_coordsᵀ·mean)."""
+    for name in ("query", "key", "choice", "width"):
+        weight = small[f"{name}.weight"] @ to_coords.T
+        bias = small[f"{name}.bias"] - weight @ mean
+        layer = getattr(path, name)
+        layer.weight.copy_(weight.to(layer.weight))
+        layer.bias.copy_(bias.to(layer.bias))
+    path.width_by_choice.copy_(small["width_by_choice"].to(path.width_by_choice))
