@@ -1,0 +1,101 @@
+"""The context-value path in the model (docs/design.md §1b): with it off and on, right after the start from data, and
+after training with the defaults.
+
+One converted Qwen2.5-0.5B per arm (`from_qwen(folder, context_values=...)`, every other default), started by
+`fit_value_head` on the training texts of `run_experiment.py`'s profile (the corpus templates and the real tables
+mixed; for the path this is `context_start.fit_context_values`), then trained `--steps` steps by
+`CausalQwenTrainer` at its defaults on the same texts in the same order (0: the start only). Measured on the test
+splits: the target's median relative error per template (teacher-forced median at the position before the target's
+`<NUM>`), their mean, and the 50% / 90% interval coverage.
+
+    python experiments/context_path.py --output runs/context_path                 # the start only
+    python experiments/context_path.py --steps 12 --output runs/context_path      # and after 12 steps
+    python experiments/context_path.py --profile tiny --output /tmp/context_path  # the pipeline only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import run_experiment as experiment  # noqa: E402
+
+from causal_qwen import CausalQwenTokenizer  # noqa: E402
+from causal_qwen.data import CausalQwenDataCollator, tokenize_examples  # noqa: E402
+from causal_qwen.value_head import fit_value_head  # noqa: E402
+
+SPLITS = ("test", "real_test", "extrapolation")
+
+
+def measure(model, tokenizer, data: dict, batch: int) -> dict:
+    results = {}
+    for split in SPLITS:
+        targets = experiment.causal_targets(model, tokenizer, data[split], batch)
+        results[split] = {"per_template": experiment.per_template(targets["median"], targets["examples"]),
+                          **experiment.interval_metrics(targets)}
+    return results
+
+
+def run_arm(on: bool, profile, tokenizer, data: dict, args) -> dict:
+    t0 = time.perf_counter()
+    model = experiment.new_causal(profile, tokenizer, args.seed, context_values=on).eval()
+    collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
+    features = tokenize_examples(tokenizer, [ex.text for ex in data["train"]])
+    fit = fit_value_head(model, experiment.collated(collator, features, profile.eval_batch))
+    arm = {"fit": fit.to_dict(), "start": measure(model, tokenizer, data, profile.eval_batch),
+           "start_seconds": time.perf_counter() - t0}
+    print(f"context_values={on}: start measured, {arm['start_seconds']:.0f}s", flush=True)
+    if args.steps:
+        experiment.train_causal(model, tokenizer, data["train"], profile, Path(args.output) / f"on={on}", args.seed,
+                                steps=args.steps)
+        arm["trained"] = measure(model, tokenizer, data, profile.eval_batch)
+        print(f"context_values={on}: trained {args.steps} steps, {time.perf_counter() - t0:.0f}s", flush=True)
+    return arm
+
+
+def table(results: dict) -> str:
+    lines = []
+    for split in SPLITS:
+        rows = [(f"context_values={on}, {stage}", arm[stage][split]) for on, arm in results["arms"].items()
+                for stage in ("start", "trained") if stage in arm]
+        templates = list(rows[0][1]["per_template"])
+        lines += [f"\n{split}: median relative error of the target; coverage of the 50% / 90% intervals",
+                  "| arm | " + " | ".join(templates) + " | coverage 50% / 90% |",
+                  "|---" * (len(templates) + 2) + "|"]
+        for name, cell in rows:
+            errors = " | ".join(f"{cell['per_template'][t]:.3g}" for t in templates)
+            lines.append(f"| {name} | {errors} | {cell['reg_coverage_50']:.2f} / {cell['reg_coverage_90']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--profile", default="cpu", choices=sorted(experiment.PROFILES))
+    parser.add_argument("--steps", type=int, default=0, help="training steps after the start (0: the start only)")
+    parser.add_argument("--arms", default="off,on", help="off, on or both")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default="runs/context_path")
+    args = parser.parse_args()
+    profile = experiment.PROFILES[args.profile]
+    data = experiment.load_data(profile, args.seed)
+    tokenizer = CausalQwenTokenizer.from_pretrained(experiment.QWEN_DIR)
+    results = {"profile": args.profile, "steps": args.steps, "arms": {}}
+    for name in args.arms.split(","):
+        results["arms"][name] = run_arm(name == "on", profile, tokenizer, data, args)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    text = table(results)
+    (out / "results.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    main()
