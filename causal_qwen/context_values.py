@@ -52,6 +52,10 @@ class ContextRead:
     linear_weight: torch.Tensor
     offset: torch.Tensor
     width: torch.Tensor
+    # 0·Σ the path's trainable parameters, read in its forward (where sharding engines have gathered them), for a
+    # training loss to add: a batch whose loss has no value term leaves the path out of the graph, and data-parallel
+    # and sharding engines wait for a gradient of every trainable parameter (exactly 0 here).
+    in_graph: torch.Tensor | float = 0.0
 
     def apply(
         self, loc_linear: torch.Tensor, spread_linear: torch.Tensor, noise_scale: torch.Tensor | float
@@ -64,7 +68,7 @@ class ContextRead:
 
     def last(self, rows: int) -> ContextRead:
         """The read of the last `rows` positions."""
-        return ContextRead(self.linear_weight[:, -rows:], self.offset[:, -rows:], self.width[:, -rows:])
+        return ContextRead(self.linear_weight[:, -rows:], self.offset[:, -rows:], self.width[:, -rows:], self.in_graph)
 
 
 class CausalQwenContextValues(nn.Module):
@@ -154,7 +158,11 @@ class CausalQwenContextValues(nn.Module):
         query_positions = new[query_index]
         queries = torch.take_along_dim(hidden_states, query_index[..., None], dim=1)
         visible = (entries[..., 2] > 0)[:, None, :] & (key_positions[:, None, :] <= query_positions[:, :, None])
-        return self.read(queries, keys, entries, visible, value_transform)
+        read = self.read(queries, keys, entries, visible, value_transform)
+        trainable = [p.sum() for p in self.parameters() if p.requires_grad]
+        if self.training and torch.is_grad_enabled() and trainable:
+            read.in_graph = 0.0 * torch.stack(trainable).sum()
+        return read
 
     def read(
         self,

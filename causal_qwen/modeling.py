@@ -743,6 +743,8 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
             if has_targets:
                 heads.loss = heads.loss + self._extra_training_loss(hidden_states, loc_u, scale_u, labels,
                                                                     num_items_in_batch, shift_labels, same_graph)
+                if context is not None:
+                    heads.loss = heads.loss + context.in_graph
 
         return CausalQwenOutput(
             loss=heads.loss,

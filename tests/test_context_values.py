@@ -263,3 +263,14 @@ def test_the_start_from_data_fits_the_path_to_copy(tiny_qwen):
     (without, _), (with_path, fit) = results[False], results[True]
     assert fit.context_step > 0 and fit.context_nll < fit.context_nll_linear
     assert without > 0.3 and with_path < 0.05, (without, with_path)
+
+
+def test_a_text_only_training_batch_keeps_the_path_in_the_graph(model):
+    """A batch without numbers has no value term, yet every trainable parameter of the path gets a gradient (0),
+    as data-parallel engines wait for one."""
+    model.train()
+    ids = torch.randint(1, 100, (2, 10))
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    for name, param in model.abduction.context_values.named_parameters():
+        assert param.grad is not None and torch.equal(param.grad, torch.zeros_like(param)), name
