@@ -52,9 +52,9 @@ class ContextRead:
     linear_weight: torch.Tensor
     offset: torch.Tensor
     width: torch.Tensor
-    # 0·Σ the path's trainable parameters, read in its forward (where sharding engines have gathered them), for a
-    # training loss to add: a batch whose loss has no value term leaves the path out of the graph, and data-parallel
-    # and sharding engines wait for a gradient of every trainable parameter (exactly 0 here).
+    # 0 times the path's layers' outputs, for a training loss to add: a batch whose loss has no value term leaves the
+    # path out of the graph, and data-parallel and sharding engines wait for a gradient of every trainable parameter
+    # (exactly 0 here).
     in_graph: torch.Tensor | float = 0.0
 
     def apply(
@@ -132,8 +132,9 @@ class CausalQwenContextValues(nn.Module):
         *,
         query_index: torch.Tensor,
         cache: Cache | None = None,
-    ) -> ContextRead:
-        """Read the context at the new positions `query_index`.
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Read the context at the new positions `query_index`: the fields of a [`ContextRead`], as a tuple of
+        tensors (what DeepSpeed ZeRO-3 hooks a module's backward on; `ContextRead(*outputs)` holds them).
 
         Args:
             hidden_states: `[B, S, H]`, the backbone's features of the new positions.
@@ -143,6 +144,7 @@ class CausalQwenContextValues(nn.Module):
             cache: the generation cache; one layer after the backbone's holds the path's entries.
         """
         keys, entries = self.entries(hidden_states, is_num, values, value_transform)
+        new_keys = keys
         new = torch.arange(hidden_states.shape[1], device=keys.device)
         if cache is not None:
             layer = context_layer(cache)
@@ -159,10 +161,8 @@ class CausalQwenContextValues(nn.Module):
         queries = torch.take_along_dim(hidden_states, query_index[..., None], dim=1)
         visible = (entries[..., 2] > 0)[:, None, :] & (key_positions[:, None, :] <= query_positions[:, :, None])
         read = self.read(queries, keys, entries, visible, value_transform)
-        trainable = [p.sum() for p in self.parameters() if p.requires_grad]
-        if self.training and torch.is_grad_enabled() and trainable:
-            read.in_graph = 0.0 * torch.stack(trainable).sum()
-        return read
+        in_graph = read.in_graph + 0.0 * new_keys.sum() if self.training and torch.is_grad_enabled() else 0.0
+        return read.linear_weight, read.offset, read.width, keys.new_zeros(()) + in_graph
 
     def read(
         self,
@@ -193,8 +193,13 @@ class CausalQwenContextValues(nn.Module):
         offset = offset + log_weight * _log_candidate(log_combination.squeeze(-1), value_transform)
         offset = offset + raw_weight * transform_values(raw_combination.squeeze(-1), value_transform)
         summary = torch.stack((linear, copies.sum(-1), log_weight, raw_weight), -1)
-        width = (self.width(queries).double().squeeze(-1) + summary @ self.width_by_choice.double()).exp()
-        return ContextRead(linear, offset, width)
+        raw_width = self.width(queries).double().squeeze(-1)
+        width = (raw_width + summary @ self.width_by_choice.double()).exp()
+        # Every layer's output (not its parameters: a sharding engine releases a layer's parameters once the layer
+        # has run) times 0, so that a loss without a value term still reaches every parameter.
+        in_graph = 0.0 * (q.sum() + choice.nan_to_num(neginf=0.0).sum() + raw_width.sum()
+                          + self.width_by_choice.sum())
+        return ContextRead(linear, offset, width, in_graph)
 
 
 def _log_candidate(log_combination: torch.Tensor, transform: str) -> torch.Tensor:

@@ -223,8 +223,8 @@ class CausalQwenAbduction(nn.Module):
             is_num = input_ids == self.config.num_token_id
         values = numeric_values if numeric_values is not None else torch.zeros(is_num.shape, dtype=torch.float64,
                                                                               device=is_num.device)
-        return self.context_values(hidden_states, is_num, values, self.config.value_transform,
-                                   query_index=query_index, cache=cache)
+        return ContextRead(*self.context_values(hidden_states, is_num, values, self.config.value_transform,
+                                                query_index=query_index, cache=cache))
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Usage (the single process runs the global batch, 2 processes half of it each, under torchrun):
 
     python tests/sharded_worker.py OUT_DIR ENGINE PER_DEVICE_BATCH [--uneven] [--checkpointing] [--save-steps N]
-                                   [--resume CHECKPOINT]
+                                   [--resume CHECKPOINT] [--context-values]
 
 ENGINE is `single`, `ddp`, `fsdp2`, `zero2` or `zero3`; the FSDP2 and DeepSpeed settings are those of
 `FSDP2_CONFIG` and `DEEPSPEED_CONFIGS` below (docs/training.md quotes them). The main process writes to OUT_DIR:
@@ -71,12 +71,13 @@ DEEPSPEED_CONFIGS = {
 }
 
 
-def build_model(regression_noise: float = 1.0) -> CausalQwenForCausalLM:
+def build_model(regression_noise: float = 1.0, context_values: bool = False) -> CausalQwenForCausalLM:
     torch.manual_seed(0)
     qwen = Qwen2ForCausalLM(Qwen2Config(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
     return CausalQwenForCausalLM.from_qwen(qwen, num_token_id=NUM, ovr_threshold=1.0, abduction_scale_init=0.1,
-                                           regression_noise=regression_noise)
+                                           regression_noise=regression_noise, context_values=context_values,
+                                           context_values_rank=4)
 
 
 def run_sharding_engines_on_cpu() -> None:
@@ -176,6 +177,7 @@ def main() -> None:
     parser.add_argument("--resume")
     parser.add_argument("--regression-noise", type=float, default=1.0)
     parser.add_argument("--value-head-start", action="store_true")
+    parser.add_argument("--context-values", action="store_true")
     a = parser.parse_args()
     out = Path(a.out_dir)
     run_sharding_engines_on_cpu()
@@ -201,11 +203,11 @@ def main() -> None:
         # partitioned (deepspeed.zero.Init). Rank 0 writes the start checkpoint, the others wait for it.
         start = out / "start"
         if args.process_index == 0:
-            build_model(a.regression_noise).save_pretrained(start)
+            build_model(a.regression_noise, a.context_values).save_pretrained(start)
         torch.distributed.barrier()
         model = CausalQwenForCausalLM.from_pretrained(start)
     else:
-        model = build_model(a.regression_noise)
+        model = build_model(a.regression_noise, a.context_values)
     trainer = CausalQwenTrainer(model=model, args=args, train_dataset=dataset(uneven=a.uneven),
                                 data_collator=CausalQwenDataCollator(0), value_head_start=a.value_head_start)
     trainer.train(resume_from_checkpoint=a.resume)

@@ -133,6 +133,20 @@ def test_fsdp2_with_a_rank_without_numbers_equals_one_process(runs):
     assert_same_training(run, runs.single("--uneven", "--checkpointing"))
 
 
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2", pytest.param("zero3", marks=needs_deepspeed)])
+def test_the_context_path_with_a_rank_without_numbers_equals_one_process(runs, engine):
+    # The context-value path of docs/design.md §1b: on the rank without numbers it reads nothing, and its parameters
+    # stay in the graph (0·params), so every engine gathers and reduces them as on the other rank.
+    flags = ("--uneven", "--context-values")
+    run = runs.get(engine, *flags)
+    single = runs.single(*flags)
+    assert {k for k in torch.load(single / "params.pt") if k.startswith("abduction.context_values.")} == {
+        f"abduction.context_values.{name}" for name in (
+            "query.weight", "query.bias", "key.weight", "key.bias", "choice.weight", "choice.bias", "width.weight",
+            "width.bias", "width_by_choice")}
+    assert_same_training(run, single)
+
+
 def test_ddp_with_a_rank_without_numbers_equals_one_process(runs):
     assert_same_training(runs.get("ddp", "--uneven"), runs.single("--uneven"))
 
