@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from causal_qwen.loss import DecisionScores, LossOptions, LossTargets, causal_qwen_loss
+from causal_qwen.loss import AnchorTerm, DecisionScores, LossOptions, LossTargets, causal_qwen_loss
 
 NUM = 7
 V = 12
@@ -176,3 +176,40 @@ def test_values_beyond_float32_need_symlog():
     out = loss_of(loc_s, scale_s, loc_y, scale_y, labels, values, threshold=10.0, num_token_id=NUM,
                            value_transform="symlog")
     assert torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize("num_items", [None, 13])
+def test_anchor_term_is_the_kl_mean_over_the_targets_labelled_positions(num_items):
+    # β · Σ over labelled positions of Σ_c KL(U ‖ U⁰), divided by their count or by num_items_in_batch, in float64
+    # from the closed form KL = log(((γ1 + γ2)² + (μ1 − μ2)²) / (4 γ1 γ2)); targets given unshifted or shifted agree.
+    loc_s, scale_s, loc_y, scale_y, labels, values = make_inputs()
+    g = torch.Generator().manual_seed(3)
+    loc_u, anchor_loc = torch.randn(2, 6, 4, generator=g), torch.randn(2, 6, 4, generator=g)
+    scale_u, anchor_scale = torch.rand(2, 6, 4, generator=g) + 0.1, torch.rand(2, 6, 4, generator=g) + 0.1
+    options = LossOptions(num_token_id=NUM, anchor_weight=0.7)
+    head = DecisionScores(loc_s, scale_s, 10.0)
+    anchor = AnchorTerm(loc_u, scale_u, anchor_loc, anchor_scale)
+    shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    shifted_values = torch.nn.functional.pad(values[:, 1:], (0, 1))
+    for targets in (LossTargets.from_labels(labels, values, num_items_in_batch=num_items),
+                    LossTargets.from_labels(None, shift_labels=shifted, shift_numeric_labels=shifted_values,
+                                            num_items_in_batch=num_items)):
+        plain = causal_qwen_loss(head, loc_y, scale_y, targets, options)
+        out = causal_qwen_loss(head, loc_y, scale_y, targets, options, anchor)
+        mu1, g1, mu2, g2 = (t.double() for t in (loc_u, scale_u, anchor_loc, anchor_scale))
+        kl = torch.log(((g1 + g2) ** 2 + (mu1 - mu2) ** 2) / (4 * g1 * g2)).sum(-1)
+        valid = shifted != -100
+        count = num_items if num_items is not None else int(valid.sum())
+        want = plain.loss.double() + 0.7 * kl[valid].sum() / count
+        assert out.loss.item() == pytest.approx(want.item(), rel=1e-6)
+        assert out.cls_loss.item() == plain.cls_loss.item() and out.reg_loss.item() == plain.reg_loss.item()
+        assert torch.equal(targets.labels, shifted) and torch.equal(targets.valid, valid)
+
+
+def test_loss_options_take_the_config_defaults():
+    from causal_qwen import CausalQwenConfig
+
+    config = CausalQwenConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1, num_token_id=15)
+    assert LossOptions(num_token_id=15) == LossOptions.from_config(config)
+    assert LossOptions(num_token_id=15).value_transform == config.value_transform == "symlog"
