@@ -94,8 +94,20 @@ class LossTargets:
         num_items_in_batch: int | torch.Tensor | None = None,
         num_numbers_in_batch: int | torch.Tensor | None = None,
     ) -> LossTargets:
-        """The targets of unshifted `labels` and `numeric_labels` `[B, S]`, or of `shift_labels`: the one shift,
-        `next_token_targets`."""
+        """The targets of a batch: its labels shifted once (`next_token_targets`), with the step's counts.
+
+        Args:
+            labels, numeric_labels: `[B, S]` unshifted, as the model's forward takes them.
+            shift_labels: `[B, S]` targets already shifted (`shift_labels[:, i]` is the target of position i), as
+                context-parallel training passes them (Trainer, accelerate; transformers' `ForCausalLMLoss` takes
+                them alike): the targets are them instead of the shift of `labels`.
+            shift_numeric_labels: `[B, S]` the values of `shift_labels`, already shifted. By default `numeric_labels`
+                is shifted like the labels, which cannot give the value of the last position's target: a `<NUM>`
+                target there needs `shift_numeric_labels`.
+            num_items_in_batch, num_numbers_in_batch: the counts of labelled positions and of `<NUM>` targets over
+                the optimizer step's micro-batches and devices, which `Trainer` (the first) and
+                `CausalQwenTrainer` (both) pass; see the class.
+        """
         targets, values = next_token_targets(labels, numeric_labels, shift_labels=shift_labels,
                                              shift_numeric_labels=shift_numeric_labels)
         return cls(targets, values, num_items_in_batch, num_numbers_in_batch)

@@ -1,5 +1,7 @@
-"""What `CausalQwenForCausalLM.from_pretrained` adds to transformers' loading: the model is the one its config says.
+"""The model's tensors and its config: a built or loaded model stays the one its config says.
 
+- A field that decides the model's modules cannot be edited on a built model's config (`check_config_edit`); a field
+  that fills tensors fills them again when edited (`fill_from_config`).
 - A config field that only fills tensors when the model is built (`FILLED_TENSORS`), given to `from_pretrained` or
   changed by a `config=` from the saved config, fills them again after loading (`load_fills`).
 - A checkpoint that lacks one of CausalQwen's own tensors raises a `ValueError` naming them, instead of their being
@@ -11,12 +13,22 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator
+
+import torch
 
 from .configuration import CausalQwenConfig
 
-__all__ = ["FILLED_TENSORS", "check_missing_keys", "load_fills"]
+__all__ = ["FILLED_TENSORS", "check_config_edit", "check_missing_keys", "fill_from_config", "inverse_softplus",
+           "load_fills"]
 
+# Fields that decide a model's modules when it is built: a built model cannot follow an edit of them.
+_MODULE_FIELDS = {
+    "use_numeric": "whether the model has a numeric embedding and a regression head",
+    "causal_size": "the size of the abduction and action layers",
+    "learnable_threshold": "whether action.threshold is a trainable parameter",
+}
 # Fields that only fill tensors when a model is built, and those tensors: an edit of the field (or a value given to
 # `from_pretrained`) fills them again, so that the model is the one its config describes.
 FILLED_TENSORS = {
@@ -36,6 +48,40 @@ _MISSING_KEY_HINTS = {
 # The fields whose tensors the `from_pretrained` call under way fills from the config; None when it refuses no missing
 # key (not under way, or given the tensors as `state_dict=` rather than a checkpoint).
 _LOAD_FILLS: contextvars.ContextVar[frozenset | None] = contextvars.ContextVar("causal_qwen_load_fills", default=None)
+
+
+def inverse_softplus(y: float) -> float:
+    """softplus⁻¹(y) = log(expm1(y)), written as y + log(−expm1(−y)) so that large y cannot overflow."""
+    return y + math.log(-math.expm1(-y))
+
+
+def check_config_edit(model, name: str, old, new) -> None:
+    """Refuse an edit of `config.<name>` that the built `model` cannot follow: the field decides its modules."""
+    if name in _MODULE_FIELDS or (name == "regression_noise" and (old > 0) != (new > 0)):
+        what = _MODULE_FIELDS.get(name, "whether action.reg_log_noise exists (0 or not)")
+        raise ValueError(
+            f"{name} decides {what} when the model is built, and this config belongs to a built model: "
+            f"build the model with {name}={new!r} instead (CausalQwenForCausalLM.from_qwen(..., {name}=...), or "
+            f"from_pretrained(..., {name}=...))"
+        )
+    if name == "abduction_anchor_weight" and new > 0 and model.abduction_anchor is None:
+        raise ValueError("abduction_anchor_weight > 0 needs the frozen anchor copy of the abduction network, which "
+                         f"this model has not got: call model.enable_abduction_finetuning({new!r})")
+
+
+@torch.no_grad()
+def fill_from_config(model, name: str) -> None:
+    """Fill the tensors of `model` that `config.<name>` initialises (`FILLED_TENSORS`) from its current value."""
+    config = model.config
+    if name == "ovr_threshold":
+        model.action.threshold.fill_(float(config.ovr_threshold))
+    elif name == "noise_init":
+        model.action.b_noise.fill_(config.noise_init)
+    elif name == "abduction_scale_init":
+        model.abduction.scale_net.weight.zero_()
+        model.abduction.scale_net.bias.fill_(inverse_softplus(config.abduction_scale_init))
+    elif name == "regression_noise" and model.action.reg_log_noise is not None:
+        model.action.reg_log_noise.fill_(math.log(config.regression_noise))
 
 
 @contextlib.contextmanager

@@ -35,17 +35,11 @@ from .distributed import (
 )
 from .generation import CausalGenerationState, CausalQwenGenerationMixin
 from .labels import LossTargets
-from .loading import check_missing_keys, load_fills
+from .loading import check_config_edit, check_missing_keys, fill_from_config, inverse_softplus, load_fills
 from .loss import AnchorTerm, DecisionScores, FusedHead, LossOptions, Tiling, causal_qwen_loss
 from .migrations import register_checkpoint_conversions, upgrade_state_dict
 from .modelcard import write_model_card
 
-# Fields that decide a model's modules when it is built: a built model cannot follow an edit of them.
-_MODULE_FIELDS = {
-    "use_numeric": "whether the model has a numeric embedding and a regression head",
-    "causal_size": "the size of the abduction and action layers",
-    "learnable_threshold": "whether action.threshold is a trainable parameter",
-}
 # The loss's keywords of the forward, which `Trainer` (the counts) and context parallelism (the shifted labels) pass.
 _LOSS_KEYWORDS = ("num_items_in_batch", "num_numbers_in_batch", "shift_labels", "shift_numeric_labels")
 
@@ -382,11 +376,6 @@ class CausalQwenAction(nn.Module):
         return (loc_s.float() - self.threshold.float()) / scale_s.float()
 
 
-def inverse_softplus(y: float) -> float:
-    """softplus⁻¹(y) = log(expm1(y)), written as y + log(−expm1(−y)) so that large y cannot overflow."""
-    return y + math.log(-math.expm1(-y))
-
-
 class CausalQwenPreTrainedModel(Qwen2PreTrainedModel):
     config: CausalQwenConfig
     config_class = CausalQwenConfig
@@ -465,31 +454,10 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
         bind_model(self.config, self)
 
     def _config_field_changing(self, name: str, old, new) -> None:
-        """Refuse an edit of `config.<name>` that the built model cannot follow: the field decides its modules."""
-        if name in _MODULE_FIELDS or (name == "regression_noise" and (old > 0) != (new > 0)):
-            what = _MODULE_FIELDS.get(name, "whether action.reg_log_noise exists (0 or not)")
-            raise ValueError(
-                f"{name} decides {what} when the model is built, and this config belongs to a built model: "
-                f"build the model with {name}={new!r} instead (CausalQwenForCausalLM.from_qwen(..., {name}=...), or "
-                f"from_pretrained(..., {name}=...))"
-            )
-        if name == "abduction_anchor_weight" and new > 0 and self.abduction_anchor is None:
-            raise ValueError("abduction_anchor_weight > 0 needs the frozen anchor copy of the abduction network, which "
-                             f"this model has not got: call model.enable_abduction_finetuning({new!r})")
+        check_config_edit(self, name, old, new)  # refuses an edit of a field that decides the model's modules
 
-    @torch.no_grad()
     def _config_field_changed(self, name: str) -> None:
-        """Fill the tensors that `config.<name>` initialises from its new value (docs/api.md, CausalQwenConfig)."""
-        config = self.config
-        if name == "ovr_threshold":
-            self.action.threshold.fill_(float(config.ovr_threshold))
-        elif name == "noise_init":
-            self.action.b_noise.fill_(config.noise_init)
-        elif name == "abduction_scale_init":
-            self.abduction.scale_net.weight.zero_()
-            self.abduction.scale_net.bias.fill_(inverse_softplus(config.abduction_scale_init))
-        elif name == "regression_noise" and self.action.reg_log_noise is not None:
-            self.action.reg_log_noise.fill_(math.log(config.regression_noise))
+        fill_from_config(self, name)  # fills the tensors the field initialises
 
     @can_return_tuple
     def forward(
@@ -508,50 +476,32 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
         generation_state: CausalGenerationState | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalQwenOutput:
-        r"""
+        r"""Qwen2's forward, with the numbers' values in and the causal heads out ([docs/api.md](docs/api.md#forward)).
+
         Args:
-            input_ids (`torch.LongTensor` of shape `(B, S)`): token ids, `<NUM>` where a number stands.
-            numeric_values (`torch.Tensor` of shape `(B, S)`, *optional*):
-                The value of each `<NUM>`, 0 elsewhere (float64 from the tokenizer keeps every digit); a value at
-                another id raises `ValueError` (the values would not be aligned with the ids).
-            labels (`torch.LongTensor` of shape `(B, S)`, *optional*):
-                Next-token targets, unshifted, −100 where no loss is wanted.
-            numeric_labels (`torch.Tensor` of shape `(B, S)`, *optional*):
-                True values read where a label is `<NUM>`; defaults to `numeric_values`.
-            logits_to_keep (`int` or `torch.Tensor`): compute the heads at these positions only
-                (`generate` passes 1). Ignored when `labels` (or `shift_labels`) is given.
-            output_distributions (`bool`, *optional*): return `loc_S`/`scale_S` (and `logits`). By default they
-                are returned except in a training step with `labels`, which then takes the fused chunked path of
-                `causal_qwen.chunked_loss` (same loss and gradients, no `[B, S, V]` tensor); `loc_Y`, `scale_Y`,
-                `loc_U`, `scale_U` are always returned.
+            numeric_values (`torch.Tensor` of shape `(B, S)`, *optional*): the value of each `<NUM>`, 0 elsewhere
+                (float64 keeps every digit); a value at another id raises `ValueError`.
+            labels (`torch.LongTensor` of shape `(B, S)`, *optional*): next-token targets, unshifted, −100 where no
+                loss is wanted.
+            numeric_labels (`torch.Tensor` of shape `(B, S)`, *optional*): true values read where a label is
+                `<NUM>`; defaults to `numeric_values`.
+            logits_to_keep (`int` or `torch.Tensor`): compute the heads at these positions only (`generate` passes
+                1). Ignored when `labels` (or `shift_labels`) is given.
+            output_distributions (`bool`, *optional*): return `loc_S`/`scale_S` (and `logits`); by default not in a
+                training step with labels, which takes the fused path (same loss and gradients, no `[B, S, V]`).
             generation_state (`CausalGenerationState`, *optional*): set by `generate`; the heads then run
                 in the generation mode at the positions `logits_to_keep` kept (the last one outside `traditional`
                 mode), and `logits` holds that mode's decision scores.
-            shift_labels (`torch.LongTensor` of shape `(B, S)`, *optional*, a keyword in `kwargs` as in Qwen2):
-                Targets already shifted (`shift_labels[:, i]` is the target of position i), as context-parallel
-                training passes them (Trainer, accelerate; transformers' `ForCausalLMLoss` takes them alike): the loss
-                is computed from them instead of from the shift of `labels`.
-            shift_numeric_labels (`torch.Tensor` of shape `(B, S)`, *optional*, a keyword in `kwargs`):
-                The values of `shift_labels`, already shifted. By default `numeric_labels` (or `numeric_values`) is
-                shifted like the labels, which cannot give the value of the last position's target: a `<NUM>` target
-                there needs `shift_numeric_labels`.
-            num_items_in_batch, num_numbers_in_batch (*optional*, keywords in `kwargs`): the counts of labelled
-                positions and of `<NUM>` targets over the optimizer step's micro-batches and devices, which
-                `Trainer` (the first) and `CausalQwenTrainer` (both) pass; see `loss.causal_qwen_loss`.
-
-        Returns:
-            [`CausalQwenOutput`].
+            kwargs: to the backbone, but for `shift_labels`, `shift_numeric_labels` (context parallelism) and the
+                step's counts `num_items_in_batch`, `num_numbers_in_batch` (`Trainer`): `LossTargets.from_labels`.
         """
-        # Keywords, not parameters: Trainer takes every forward parameter named "*label*" for a label it must be given
-        # (`label_names`), and the shifted ones come only with context parallelism.
+        # Keywords, not parameters: Trainer takes each forward parameter named "*label*" for a label it must be given.
         loss_kwargs = {name: kwargs.pop(name, None) for name in _LOSS_KEYWORDS}
         check_forward_inputs(self.config, input_ids, numeric_values, inputs_embeds, labels, numeric_labels,
                              loss_kwargs["shift_labels"], loss_kwargs["shift_numeric_labels"])
         has_targets = labels is not None or loss_kwargs["shift_labels"] is not None
-        targets = None
-        if has_targets:
-            numeric_labels = numeric_labels if numeric_labels is not None else numeric_values
-            targets = LossTargets.from_labels(labels, numeric_labels, **loss_kwargs)
+        numeric_labels = numeric_labels if numeric_labels is not None else numeric_values
+        targets = LossTargets.from_labels(labels, numeric_labels, **loss_kwargs) if has_targets else None
         # Under a sharding engine every rank must run the same collectives, so every training batch goes through
         # the numeric embedding (and so backpropagates through the backbone), numbers or not.
         same_graph = self.training and has_targets and sharded_training()
@@ -561,14 +511,8 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
                 inputs_embeds = self.numeric_embedding(inputs_embeds, input_ids, numeric_values,
                                                        keep_in_graph=same_graph)
 
-        outputs = self.model(
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            **kwargs,
-        )
+        outputs = self.model(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past_key_values, use_cache=use_cache, **kwargs)
         hidden_states = outputs.last_hidden_state
         if not has_targets:
             hidden_states = keep_positions(hidden_states, logits_to_keep)
@@ -580,32 +524,20 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
             rows = logits.shape[1]  # the positions the mode decided
             loc_u, scale_u = loc_u[:, -rows:], scale_u[:, -rows:]
         else:
-            if output_distributions is None:
-                # A training step needs only the loss: the fused path never builds the [B, S, V] head.
-                output_distributions = not has_targets or not self.training
+            # A training step needs only the loss: by default the fused path, which never builds the [B, S, V] head.
+            full = output_distributions if output_distributions is not None else not (has_targets and self.training)
             anchor = self._anchor(hidden_states, loc_u, scale_u) if has_targets else None
-            heads = self.action(loc_u, scale_u, targets, output_distributions=output_distributions, anchor=anchor)
+            heads = self.action(loc_u, scale_u, targets, output_distributions=full, anchor=anchor)
             logits = heads.loc_S
             if has_targets and self.training and not same_graph:
                 # A batch without numbers leaves the numeric embedding out of the graph (docs/design.md §4); under a
-                # sharding engine it is in every batch's graph already, and its parameters are not read here, outside
-                # its forward, where they may be a shard or an empty placeholder.
+                # sharding engine it is in it already, and its parameters are not read outside its forward.
                 heads.loss = heads.loss + keep_in_graph(self.numeric_embedding)
 
         return CausalQwenOutput(
-            loss=heads.loss,
-            cls_loss=heads.cls_loss,
-            reg_loss=heads.reg_loss,
-            logits=logits,
-            loc_S=heads.loc_S,
-            scale_S=heads.scale_S,
-            loc_Y=heads.loc_Y,
-            scale_Y=heads.scale_Y,
-            loc_U=loc_u,
-            scale_U=scale_u,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
+            loss=heads.loss, cls_loss=heads.cls_loss, reg_loss=heads.reg_loss, logits=logits, loc_S=heads.loc_S,
+            scale_S=heads.scale_S, loc_Y=heads.loc_Y, scale_Y=heads.scale_Y, loc_U=loc_u, scale_U=scale_u,
+            past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
         )
 
     def _anchor(self, hidden_states: torch.Tensor, loc_u: torch.Tensor, scale_u: torch.Tensor) -> AnchorTerm | None:
@@ -671,15 +603,11 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, with two differences that keep the model what its config says.
+        """`PreTrainedModel.from_pretrained`, kept the model its config says (`causal_qwen.loading`).
 
-        A field that only fills tensors when the model is built (`ovr_threshold`: `action.threshold`, `noise_init`:
-        `action.b_noise`, `abduction_scale_init`: `abduction.scale_net`, `regression_noise`: `action.reg_log_noise`),
-        given here, fills them from the value given, over the checkpoint's; so does a `config=` whose value differs
-        from the saved config's. And a checkpoint that lacks one of CausalQwen's own tensors (numeric embedding,
-        abduction, anchor, heads, threshold) raises a `ValueError` naming them, instead of their being drawn afresh
-        (the backbone's keys, a checkpoint of the backbone alone, and tensors given as `state_dict=` behave as in
-        transformers).
+        A field that only fills tensors when the model is built (`loading.FILLED_TENSORS`), given here or changed by
+        a `config=` from the saved config, fills them over the checkpoint's; a checkpoint that lacks one of
+        CausalQwen's own tensors raises a `ValueError` naming them, instead of their being drawn afresh.
         """
         with load_fills(args, kwargs) as filled:
             result = super().from_pretrained(*args, **kwargs)
@@ -688,7 +616,7 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
             # Loading replaces the parameters that `__init__` froze, so freeze again once they are in place.
             model.apply_freeze_backbone()
             for name in sorted(filled):
-                model._config_field_changed(name)
+                fill_from_config(model, name)
         return result
 
     def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
