@@ -1,8 +1,10 @@
 """CausalQwen: a Qwen2 backbone with a numeric embedding, an abduction network and a Cauchy action network.
 
 Read top to bottom: the output dataclasses, the three small modules of docs/design.md §1 (the action network owns
-every use of the heads, the loss included), the pretrained-model base with its initialisation (§3), and
-`CausalQwenForCausalLM`, whose forward reads embed → backbone → abduction → heads and loss.
+every use of the heads, and hands them with the targets to `loss.causal_qwen_loss`), the pretrained-model base with
+its initialisation (§3), and `CausalQwenForCausalLM`, whose forward reads embed → backbone → abduction → heads and
+loss. What is not the model lives beside it: `distributed` (DDP, FSDP, DeepSpeed), `loading` (what `from_pretrained`
+and config edits fill or refuse), `migrations` (older checkpoints).
 """
 
 # No `from __future__ import annotations` here: transformers reads the forward's `**kwargs: Unpack[TransformersKwargs]`
@@ -603,7 +605,7 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, kept the model its config says (`causal_qwen.loading`).
+        """`PreTrainedModel.from_pretrained`, keeping the model the one its config says (`causal_qwen.loading`).
 
         A field that only fills tensors when the model is built (`loading.FILLED_TENSORS`), given here or changed by
         a `config=` from the saved config, fills them over the checkpoint's; a checkpoint that lacks one of
