@@ -1,7 +1,7 @@
 """Peak memory and time of the classification head + OvR loss, forward and backward: chunked against straightforward.
 
 Both paths are the model's own: *straightforward* is `CausalQwenAction` (loc_S, scale_S as `[1, N, V]` tensors)
-followed by `loss.causal_qwen_loss`; *chunked* is the fused `loss.fused_causal_qwen_loss`: the heads-and-loss step
+followed by `loss.causal_qwen_loss` of its scores; *chunked* is the fused `loss.FusedHead`: the heads-and-loss step
 `CausalQwenAction.forward` with `output_distributions` on and off, as the model's forward calls it.
 The text-only configuration (no regression head) isolates the classification head, which is where the
 `[N, V]` tensors are.
@@ -38,6 +38,7 @@ import torch
 from memory import peak_kb, reset_peak, resident_kb
 
 from causal_qwen import CausalQwenConfig
+from causal_qwen.loss import LossTargets, Tiling
 from causal_qwen.modeling import CausalQwenAction
 
 QWEN25_VOCAB, QWEN25_HIDDEN = 151_936, 896
@@ -70,10 +71,11 @@ def build_inputs(positions: int, hidden: int, vocab: int, seed: int = 1):
 
 def head_and_loss(path: str, action: CausalQwenAction, loc_u, scale_u, labels, budget: int | None) -> torch.Tensor:
     """One forward + backward of the head and its classification loss; returns the loss."""
+    targets = LossTargets.from_labels(labels)
     if path == "straightforward":
-        loss = action(loc_u, scale_u, labels, output_distributions=True).loss
+        loss = action(loc_u, scale_u, targets, output_distributions=True).loss
     else:
-        loss = action(loc_u, scale_u, labels, output_distributions=False, memory_budget=budget).loss
+        loss = action(loc_u, scale_u, targets, output_distributions=False, tiling=Tiling(memory_budget=budget)).loss
     loss.backward()
     return loss.detach()
 

@@ -1,67 +1,50 @@
 """CausalQwen: a Qwen2 backbone with a numeric embedding, an abduction network and a Cauchy action network.
 
 Read top to bottom: the output dataclasses, the three small modules of docs/design.md §1 (the action network owns
-every use of the heads, the loss included), the pretrained-model base with its initialisation (§3), and
-`CausalQwenForCausalLM`, whose forward reads embed → backbone → abduction → heads and loss.
+every use of the heads, and hands them with the targets to `loss.causal_qwen_loss`), the pretrained-model base with
+its initialisation (§3), and `CausalQwenForCausalLM`, whose forward reads embed → backbone → abduction → heads and
+loss. What is not the model lives beside it: `distributed` (DDP, FSDP, DeepSpeed), `loading` (what `from_pretrained`
+and config edits fill or refuse), `migrations` (older checkpoints).
 """
 
 # No `from __future__ import annotations` here: transformers reads the forward's `**kwargs: Unpack[TransformersKwargs]`
 # annotation at run time (e.g. to tell whether the model can return attentions), which a string would hide.
-import contextvars
 import copy
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import Qwen2Model
 from transformers import initialization as init
 from transformers.cache_utils import Cache
-from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-from transformers.core_model_loading import ConversionOps, WeightConverter
 from transformers.models.qwen2.modeling_qwen2 import Qwen2PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import ModelOutput, TransformersKwargs, can_return_tuple
 
 from . import cauchy
-from .cauchy import kl_divergence, symlog, untransform_values
+from .cauchy import symlog, untransform_values
 from .checks import check_forward_inputs, check_forward_replacement
 from .configuration import CausalQwenConfig, bind_model
 from .context_values import CausalQwenContextValues, ContextRead
 from .conversion import convert_qwen
+from .distributed import (
+    check_zero3_heads,
+    deepspeed_zero3_enabled,
+    keep_in_graph,
+    register_zero3_heads,
+    sharded_training,
+)
 from .generation import CausalGenerationState, CausalQwenGenerationMixin
-from .labels import IGNORE_INDEX, next_token_targets
-from .loss import LossOptions, causal_qwen_loss, fused_causal_qwen_loss, safe_mean
+from .labels import LossTargets
+from .loading import check_config_edit, check_missing_keys, fill_from_config, inverse_softplus, load_fills
+from .loss import AnchorTerm, DecisionScores, FusedHead, LossOptions, Tiling, causal_qwen_loss
+from .migrations import register_checkpoint_conversions, upgrade_state_dict
 from .modelcard import write_model_card
 
-# Fields that decide a model's modules when it is built: a built model cannot follow an edit of them.
-_MODULE_FIELDS = {
-    "use_numeric": "whether the model has a numeric embedding and a regression head",
-    "causal_size": "the size of the abduction and action layers",
-    "learnable_threshold": "whether action.threshold is a trainable parameter",
-    "context_values": "whether the abduction network reads the context's values (abduction.context_values)",
-    "context_values_rank": "the size of abduction.context_values",
-}
-# Fields that only fill tensors when a model is built, and those tensors: an edit of the field (or a value given to
-# `from_pretrained`) fills them again, so that the model is the one its config describes.
-_FILLED_TENSORS = {
-    "ovr_threshold": ("action.threshold",),
-    "noise_init": ("action.b_noise",),
-    "abduction_scale_init": ("abduction.scale_net.weight", "abduction.scale_net.bias"),
-    "regression_noise": ("action.reg_log_noise",),
-}
-# The top-level modules of CausalQwen's own tensors (the rest, `model.*`, is the Qwen2 backbone).
-_OWN_MODULES = ("numeric_embedding", "abduction", "abduction_anchor", "action")
-_MISSING_KEY_HINTS = {
-    "action.reg_log_noise": ". A checkpoint saved without a value noise is the model of regression_noise=0.0: load it "
-                            "with from_pretrained(..., regression_noise=0.0), or with a positive value to start one",
-    "abduction_anchor.": ". The anchor is made by model.enable_abduction_finetuning(weight) after loading; load with "
-                         "abduction_anchor_weight=0.0",
-}
-# The fields whose tensors the `from_pretrained` call under way fills from the config; None when it refuses no missing
-# key (not under way, or given the tensors as `state_dict=` rather than a checkpoint).
-_LOAD_FILLS: contextvars.ContextVar[frozenset | None] = contextvars.ContextVar("causal_qwen_load_fills", default=None)
+# The loss's keywords of the forward, which `Trainer` (the counts) and context parallelism (the shifted labels) pass.
+_LOSS_KEYWORDS = ("num_items_in_batch", "num_numbers_in_batch", "shift_labels", "shift_numeric_labels")
 
 __all__ = [
     "CausalQwenOutput", "CausalQwenActionOutput", "CausalQwenNumericEmbedding", "CausalQwenAbduction",
@@ -278,7 +261,7 @@ class CausalQwenAction(nn.Module):
             self.threshold = nn.Parameter(threshold)
         else:
             self.register_buffer("threshold", threshold, persistent=True)
-        if _deepspeed_zero3_enabled():
+        if deepspeed_zero3_enabled():
             self.register_zero3_heads()
 
     @property
@@ -287,84 +270,49 @@ class CausalQwenAction(nn.Module):
         return self.config.scale_min
 
     def register_zero3_heads(self) -> None:
-        """Tell DeepSpeed ZeRO-3 to gather the heads' parameters around this module's forward and backward.
-
-        ZeRO-3 partitions every parameter and gathers a module's own parameters when the module is called;
-        `forward` reads those of `cls_head` and `reg_head` without calling them, which DeepSpeed's
-        `register_external_parameter` is for. Idempotent; call it again after replacing a head.
-        """
-        try:  # in a try block, so that the remote-code copy of this file does not require deepspeed
-            from deepspeed import zero
-        except ImportError as error:
-            raise ImportError("register_zero3_heads is for DeepSpeed ZeRO-3 and needs deepspeed") from error
-        for head in (self.cls_head, self.reg_head):
-            if head is not None:
-                for param in head.parameters():
-                    zero.register_external_parameter(self, param)
-
-    def _check_zero3_heads(self) -> None:
-        weight = self.cls_head.weight
-        if hasattr(weight, "ds_id") and id(weight) not in getattr(self, "_external_params", {}):
-            raise RuntimeError(
-                "DeepSpeed ZeRO-3 partitions the heads, and the action network reads them in its forward: call "
-                "model.action.register_zero3_heads() before deepspeed.initialize (CausalQwenTrainer does, and so does "
-                "building the model after TrainingArguments with a ZeRO-3 config)"
-            )
+        """Tell DeepSpeed ZeRO-3 to gather the heads' parameters around this module's forward and backward
+        (`distributed.register_zero3_heads`). Idempotent; call it again after replacing a head."""
+        register_zero3_heads(self)
 
     def forward(
         self,
         loc_u: torch.Tensor,
         scale_u: torch.Tensor,
-        labels: torch.Tensor | None = None,
-        numeric_labels: torch.Tensor | None = None,
+        targets: LossTargets | None = None,
         *,
         output_distributions: bool = True,
-        num_items_in_batch: int | torch.Tensor | None = None,
-        num_numbers_in_batch: int | torch.Tensor | None = None,
         loss_options: LossOptions | None = None,
-        chunk_size: int | None = None,
-        vocab_chunk_size: int | None = None,
-        memory_budget: int | None = None,
-        shift_labels: torch.Tensor | None = None,
-        shift_numeric_labels: torch.Tensor | None = None,
+        anchor: AnchorTerm | None = None,
+        tiling: Tiling | None = None,
         context: ContextRead | None = None,
     ) -> CausalQwenActionOutput:
-        """The heads on `(loc_U, scale_U)` `[B, S, C]`, and with `labels` the loss of docs/design.md §4.
+        """The heads on `(loc_U, scale_U)` `[B, S, C]`, and with `targets` the loss of docs/design.md §4.
 
         Args:
-            labels, numeric_labels: `[B, S]`, unshifted, as in [`CausalQwenForCausalLM.forward`].
+            targets: the shifted targets (`LossTargets.from_labels(labels, numeric_labels, ...)`), or None.
             output_distributions: build `loc_S`, `scale_S` `[B, S, V]`. Off, the classification loss runs fused and
-                tiled (`loss.fused_causal_qwen_loss`): the same loss and gradients without any `[B, S, V]` tensor.
-            num_items_in_batch, num_numbers_in_batch: see `loss.causal_qwen_loss`.
+                tiled (`loss.FusedHead`): the same loss and gradients without any `[B, S, V]` tensor.
             loss_options: the loss's options; by default `LossOptions.from_config(self.config)`.
-            chunk_size, vocab_chunk_size, memory_budget: tiling of the fused loss (`chunked_loss.chunked_ovr_loss`).
-            shift_labels, shift_numeric_labels: targets already shifted, as in [`CausalQwenForCausalLM.forward`];
-                with them the loss is computed (from them) even without `labels`.
+            anchor: U and the abduction anchor's U⁰, for the anchor term (`loss.AnchorTerm`).
+            tiling: tiling of the fused loss (`loss.Tiling`).
             context: the abduction's read of the context's values, for the value head (`regress`).
         """
-        self._check_zero3_heads()
+        check_zero3_heads(self)
         scale = self.noisy_scale(scale_u)
-        loc_s = scale_s = loc_y = scale_y = None
+        loc_s = scale_s = loc_y = scale_y = losses = None
         if output_distributions:
             loc_s, scale_s = self.classify(loc_u, scale)
         if self.reg_head is not None:
             loc_y, scale_y = self.regress(loc_u, scale, context)
-        losses = None
-        if labels is not None or shift_labels is not None:
-            options = asdict(loss_options or LossOptions.from_config(self.config))
-            options.update(shift_labels=shift_labels, shift_numeric_labels=shift_numeric_labels,
-                           num_numbers_in_batch=num_numbers_in_batch)
-            if output_distributions:
-                losses = causal_qwen_loss(loc_s, scale_s, loc_y, scale_y, labels, numeric_labels,
-                                          threshold=self.threshold, num_items_in_batch=num_items_in_batch, **options)
-            else:
-                losses = fused_causal_qwen_loss(
-                    loc_u, scale, self.cls_head.weight, self.cls_head.bias, self.threshold, loc_y, scale_y, labels,
-                    numeric_labels, scale_min=self.scale_min, num_items_in_batch=num_items_in_batch,
-                    chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size, memory_budget=memory_budget, **options,
-                )
+        if targets is not None:
+            head = (DecisionScores(loc_s, scale_s, self.threshold) if output_distributions else
+                    FusedHead(loc_u, scale, self.cls_head.weight, self.cls_head.bias, self.threshold, self.scale_min,
+                              tiling or Tiling()))
+            losses = causal_qwen_loss(head, loc_y, scale_y, targets,
+                                      loss_options or LossOptions.from_config(self.config), anchor)
             if self.training:
-                losses.loss = losses.loss + self._unused_value_head_zero()
+                # Read here, in the module's own forward, where sharding engines have gathered the value head.
+                losses.loss = losses.loss + keep_in_graph(self.reg_head, self.reg_log_noise)
         return CausalQwenActionOutput(
             loss=losses.loss if losses is not None else None,
             cls_loss=losses.cls_loss if losses is not None else None,
@@ -387,28 +335,8 @@ class CausalQwenAction(nn.Module):
         else:
             self.threshold = new
 
-    def _unused_value_head_zero(self) -> torch.Tensor | float:
-        """0 · the value head's trainable parameters, which a batch without values leaves out of the loss.
-
-        (With values, the regression sum keeps the head in the graph even when no target is `<NUM>`,
-        `loss.combine_losses`; without `numeric_labels` or `numeric_values` there is no regression term at all.)
-
-        Data-parallel and sharding engines wait for a gradient of every trainable parameter (DDP without looking
-        for unused ones, as under activation checkpointing; FSDP and DeepSpeed reduce the same parameters in the
-        same order on every rank), so each training loss touches them: their gradient is then exactly 0. It is
-        read here, in the module's own forward, where sharding engines have gathered the parameters.
-        """
-        params = [p for p in (*(self.reg_head.parameters() if self.reg_head is not None else ()), self.reg_log_noise)
-                  if p is not None and p.requires_grad]
-        if not params:
-            return 0.0
-        return 0.0 * torch.stack([p.sum() for p in params]).sum()
-
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # Checkpoints written before reg_log_noise became a [1] vector hold it as a 0-dim tensor.
-        key = prefix + "reg_log_noise"
-        if key in state_dict and state_dict[key].dim() == 0:
-            state_dict[key] = state_dict[key].reshape(1)
+        upgrade_state_dict("action", state_dict, prefix)  # checkpoints of earlier versions
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def noisy_scale(self, scale_u: torch.Tensor) -> torch.Tensor:
@@ -459,9 +387,6 @@ class CausalQwenAction(nn.Module):
             loc_s, scale_s = cauchy.linear_by_blocks(loc, scale, weight, bias)
         return loc_s, scale_s.clamp(min=self.scale_min)
 
-    def clear_cache(self) -> None:
-        """Nothing is cached any more (|W_cls| is built block by block, see `classify`); kept for existing callers."""
-
     def regress(
         self, loc: torch.Tensor, scale: torch.Tensor, context: ContextRead | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -486,47 +411,6 @@ class CausalQwenAction(nn.Module):
         function and without P's loss of resolution near 1.
         """
         return (loc_s.float() - self.threshold.float()) / scale_s.float()
-
-
-def _deepspeed_zero3_enabled() -> bool:
-    """transformers' flag for a model built under ZeRO-3 (TrainingArguments or HfDeepSpeedConfig made first)."""
-    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-
-    return is_deepspeed_zero3_enabled()
-
-
-def _sharded_training() -> bool:
-    """Whether this forward runs in a process group and not inside DistributedDataParallel.
-
-    That is: under a sharding engine (FSDP, DeepSpeed), which all-gathers parameters in the backward pass of the
-    modules it goes through and reduces gradients in the order they come (DeepSpeed's buckets), so every rank must
-    build the same graph; and whose parameters, outside their module's forward, are shards or empty placeholders
-    (ZeRO-3 partitions them even in a single process). DDP needs only a gradient of every parameter; a single
-    process without a process group needs nothing, and gets `False` from the first, cheap call.
-    """
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return False
-    return nn.parallel.DistributedDataParallel._get_active_ddp_module() is None
-
-
-def _fields_changed_from_saved(args: tuple, kwargs: dict) -> frozenset:
-    """The tensor-filling fields in which a `config=` given to `from_pretrained` differs from the checkpoint's."""
-    config = kwargs.get("config")
-    path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-    if not isinstance(config, CausalQwenConfig) or path is None:
-        return frozenset()
-    hub = {key: kwargs[key] for key in ("cache_dir", "force_download", "proxies", "local_files_only", "token",
-                                        "revision", "subfolder") if key in kwargs}
-    try:
-        saved, _ = CausalQwenConfig.get_config_dict(path, **hub)
-    except OSError:  # no config.json beside the weights: nothing to compare with
-        return frozenset()
-    return frozenset(name for name in _FILLED_TENSORS if name in saved and saved[name] != getattr(config, name))
-
-
-def inverse_softplus(y: float) -> float:
-    """softplus⁻¹(y) = log(expm1(y)), written as y + log(−expm1(−y)) so that large y cannot overflow."""
-    return y + math.log(-math.expm1(-y))
 
 
 class CausalQwenPreTrainedModel(Qwen2PreTrainedModel):
@@ -611,31 +495,10 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
         bind_model(self.config, self)
 
     def _config_field_changing(self, name: str, old, new) -> None:
-        """Refuse an edit of `config.<name>` that the built model cannot follow: the field decides its modules."""
-        if name in _MODULE_FIELDS or (name == "regression_noise" and (old > 0) != (new > 0)):
-            what = _MODULE_FIELDS.get(name, "whether action.reg_log_noise exists (0 or not)")
-            raise ValueError(
-                f"{name} decides {what} when the model is built, and this config belongs to a built model: "
-                f"build the model with {name}={new!r} instead (CausalQwenForCausalLM.from_qwen(..., {name}=...), or "
-                f"from_pretrained(..., {name}=...))"
-            )
-        if name == "abduction_anchor_weight" and new > 0 and self.abduction_anchor is None:
-            raise ValueError("abduction_anchor_weight > 0 needs the frozen anchor copy of the abduction network, which "
-                             f"this model has not got: call model.enable_abduction_finetuning({new!r})")
+        check_config_edit(self, name, old, new)  # refuses an edit of a field that decides the model's modules
 
-    @torch.no_grad()
     def _config_field_changed(self, name: str) -> None:
-        """Fill the tensors that `config.<name>` initialises from its new value (docs/api.md, CausalQwenConfig)."""
-        config = self.config
-        if name == "ovr_threshold":
-            self.action.threshold.fill_(float(config.ovr_threshold))
-        elif name == "noise_init":
-            self.action.b_noise.fill_(config.noise_init)
-        elif name == "abduction_scale_init":
-            self.abduction.scale_net.weight.zero_()
-            self.abduction.scale_net.bias.fill_(inverse_softplus(config.abduction_scale_init))
-        elif name == "regression_noise" and self.action.reg_log_noise is not None:
-            self.action.reg_log_noise.fill_(math.log(config.regression_noise))
+        fill_from_config(self, name)  # fills the tensors the field initialises
 
     @can_return_tuple
     def forward(
@@ -654,66 +517,43 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
         generation_state: CausalGenerationState | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalQwenOutput:
-        r"""
+        r"""Qwen2's forward, with the numbers' values in and the causal heads out ([docs/api.md](docs/api.md#forward)).
+
         Args:
-            input_ids (`torch.LongTensor` of shape `(B, S)`): token ids, `<NUM>` where a number stands.
-            numeric_values (`torch.Tensor` of shape `(B, S)`, *optional*):
-                The value of each `<NUM>`, 0 elsewhere (float64 from the tokenizer keeps every digit); a value at
-                another id raises `ValueError` (the values would not be aligned with the ids).
-            labels (`torch.LongTensor` of shape `(B, S)`, *optional*):
-                Next-token targets, unshifted, −100 where no loss is wanted.
-            numeric_labels (`torch.Tensor` of shape `(B, S)`, *optional*):
-                True values read where a label is `<NUM>`; defaults to `numeric_values`.
-            logits_to_keep (`int` or `torch.Tensor`): compute the heads at these positions only
-                (`generate` passes 1). Ignored when `labels` (or `shift_labels`) is given.
-            output_distributions (`bool`, *optional*): return `loc_S`/`scale_S` (and `logits`). By default they
-                are returned except in a training step with `labels`, which then takes the fused chunked path of
-                `causal_qwen.chunked_loss` (same loss and gradients, no `[B, S, V]` tensor); `loc_Y`, `scale_Y`,
-                `loc_U`, `scale_U` are always returned.
+            numeric_values (`torch.Tensor` of shape `(B, S)`, *optional*): the value of each `<NUM>`, 0 elsewhere
+                (float64 keeps every digit); a value at another id raises `ValueError`.
+            labels (`torch.LongTensor` of shape `(B, S)`, *optional*): next-token targets, unshifted, −100 where no
+                loss is wanted.
+            numeric_labels (`torch.Tensor` of shape `(B, S)`, *optional*): true values read where a label is
+                `<NUM>`; defaults to `numeric_values`.
+            logits_to_keep (`int` or `torch.Tensor`): compute the heads at these positions only (`generate` passes
+                1). Ignored when `labels` (or `shift_labels`) is given.
+            output_distributions (`bool`, *optional*): return `loc_S`/`scale_S` (and `logits`); by default not in a
+                training step with labels, which takes the fused path (same loss and gradients, no `[B, S, V]`).
             generation_state (`CausalGenerationState`, *optional*): set by `generate`; the heads then run
                 in the generation mode at the positions `logits_to_keep` kept (the last one outside `traditional`
                 mode), and `logits` holds that mode's decision scores.
-            shift_labels (`torch.LongTensor` of shape `(B, S)`, *optional*, a keyword in `kwargs` as in Qwen2):
-                Targets already shifted (`shift_labels[:, i]` is the target of position i), as context-parallel
-                training passes them (Trainer, accelerate; transformers' `ForCausalLMLoss` takes them alike): the loss
-                is computed from them instead of from the shift of `labels`.
-            shift_numeric_labels (`torch.Tensor` of shape `(B, S)`, *optional*, a keyword in `kwargs`):
-                The values of `shift_labels`, already shifted. By default `numeric_labels` (or `numeric_values`) is
-                shifted like the labels, which cannot give the value of the last position's target: a `<NUM>` target
-                there needs `shift_numeric_labels`.
-            num_items_in_batch, num_numbers_in_batch (*optional*, keywords in `kwargs`): the counts of labelled
-                positions and of `<NUM>` targets over the optimizer step's micro-batches and devices, which
-                `Trainer` (the first) and `CausalQwenTrainer` (both) pass; see `loss.causal_qwen_loss`.
-
-        Returns:
-            [`CausalQwenOutput`].
+            kwargs: to the backbone, but for `shift_labels`, `shift_numeric_labels` (context parallelism) and the
+                step's counts `num_items_in_batch`, `num_numbers_in_batch` (`Trainer`): `LossTargets.from_labels`.
         """
-        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
-        num_numbers_in_batch = kwargs.pop("num_numbers_in_batch", None)
-        # Keywords, not parameters: Trainer takes every forward parameter named "*label*" for a label it must be given
-        # (`label_names`), and these come only with context parallelism.
-        shift_labels = kwargs.pop("shift_labels", None)
-        shift_numeric_labels = kwargs.pop("shift_numeric_labels", None)
+        # Keywords, not parameters: Trainer takes each forward parameter named "*label*" for a label it must be given.
+        loss_kwargs = {name: kwargs.pop(name, None) for name in _LOSS_KEYWORDS}
         check_forward_inputs(self.config, input_ids, numeric_values, inputs_embeds, labels, numeric_labels,
-                             shift_labels, shift_numeric_labels)
-        has_targets = labels is not None or shift_labels is not None
+                             loss_kwargs["shift_labels"], loss_kwargs["shift_numeric_labels"])
+        has_targets = labels is not None or loss_kwargs["shift_labels"] is not None
+        numeric_labels = numeric_labels if numeric_labels is not None else numeric_values
+        targets = LossTargets.from_labels(labels, numeric_labels, **loss_kwargs) if has_targets else None
         # Under a sharding engine every rank must run the same collectives, so every training batch goes through
         # the numeric embedding (and so backpropagates through the backbone), numbers or not.
-        same_graph = self.training and has_targets and _sharded_training()
+        same_graph = self.training and has_targets and sharded_training()
         if inputs_embeds is None:
             inputs_embeds = self.model.embed_tokens(input_ids)
             if self.numeric_embedding is not None:
                 inputs_embeds = self.numeric_embedding(inputs_embeds, input_ids, numeric_values,
                                                        keep_in_graph=same_graph)
 
-        outputs = self.model(
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            **kwargs,
-        )
+        outputs = self.model(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past_key_values, use_cache=use_cache, **kwargs)
         new_states = outputs.last_hidden_state
         kept = 0 if has_targets else logits_to_keep
         hidden_states = keep_positions(new_states, kept)
@@ -730,75 +570,31 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
             rows = logits.shape[1]  # the positions the mode decided
             loc_u, scale_u = loc_u[:, -rows:], scale_u[:, -rows:]
         else:
-            if output_distributions is None:
-                # A training step needs only the loss: the fused path never builds the [B, S, V] head.
-                output_distributions = not has_targets or not self.training
-            heads = self.action(
-                loc_u, scale_u, labels, numeric_labels if numeric_labels is not None else numeric_values,
-                output_distributions=output_distributions, num_items_in_batch=num_items_in_batch,
-                num_numbers_in_batch=num_numbers_in_batch,
-                shift_labels=shift_labels, shift_numeric_labels=shift_numeric_labels, context=context,
-            )
+            # A training step needs only the loss: by default the fused path, which never builds the [B, S, V] head.
+            full = output_distributions if output_distributions is not None else not (has_targets and self.training)
+            anchor = self._anchor(hidden_states, loc_u, scale_u) if has_targets else None
+            heads = self.action(loc_u, scale_u, targets, output_distributions=full, anchor=anchor, context=context)
             logits = heads.loc_S
-            if has_targets:
-                heads.loss = heads.loss + self._extra_training_loss(hidden_states, loc_u, scale_u, labels,
-                                                                    num_items_in_batch, shift_labels, same_graph)
-                if context is not None:
-                    heads.loss = heads.loss + context.in_graph
+            if has_targets and self.training and not same_graph:
+                # A batch without numbers leaves the numeric embedding out of the graph (docs/design.md §4); under a
+                # sharding engine it is in it already, and its parameters are not read outside its forward.
+                heads.loss = heads.loss + keep_in_graph(self.numeric_embedding)
+            if has_targets and context is not None:
+                heads.loss = heads.loss + context.in_graph  # the path's layers, for a batch without a value term
 
         return CausalQwenOutput(
-            loss=heads.loss,
-            cls_loss=heads.cls_loss,
-            reg_loss=heads.reg_loss,
-            logits=logits,
-            loc_S=heads.loc_S,
-            scale_S=heads.scale_S,
-            loc_Y=heads.loc_Y,
-            scale_Y=heads.scale_Y,
-            loc_U=loc_u,
-            scale_U=scale_u,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
+            loss=heads.loss, cls_loss=heads.cls_loss, reg_loss=heads.reg_loss, logits=logits, loc_S=heads.loc_S,
+            scale_S=heads.scale_S, loc_Y=heads.loc_Y, scale_Y=heads.scale_Y, loc_U=loc_u, scale_U=scale_u,
+            past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
         )
 
-    def _extra_training_loss(
-        self,
-        hidden_states: torch.Tensor,
-        loc_u: torch.Tensor,
-        scale_u: torch.Tensor,
-        labels: torch.Tensor | None,
-        num_items_in_batch: int | torch.Tensor | None,
-        shift_labels: torch.Tensor | None = None,
-        numeric_embedding_in_graph: bool = False,
-    ) -> torch.Tensor:
-        """The anchor term β·KL (docs/design.md §7), plus 0 · the numeric embedding's parameters.
-
-        The anchor term is the mean over positions with a (shifted) label of Σ_c KL(U ‖ U⁰), U⁰ from the frozen
-        anchor; with `num_items_in_batch` (Trainer with gradient accumulation or several devices) the sum is divided
-        by it instead, like the classification loss, so that summing micro-batch losses gives the overall mean.
-
-        A batch without numbers leaves the numeric embedding out of the graph (and one without a `<NUM>` target
-        leaves the regression head out: `CausalQwenAction` touches that one). Distributed data parallel training
-        waits for a gradient of every trainable parameter (unless told to look for unused ones, which it is not
-        under activation checkpointing), so each training loss touches them; their gradient is then exactly 0,
-        and no backward pass through the backbone is added. Under a sharding engine the numeric embedding is in
-        the graph of every batch already (`numeric_embedding_in_graph`), and its parameters are not read here,
-        outside its forward, where they may be a shard or an empty placeholder.
-        """
-        extra = loc_u.new_zeros((), dtype=torch.float32)
-        if self.abduction_anchor is not None:
-            with torch.no_grad():
-                anchor_loc, anchor_scale = self.abduction_anchor(hidden_states)
-            kl = kl_divergence(loc_u.float(), scale_u.float(), anchor_loc.float(), anchor_scale.float()).sum(-1)
-            valid = next_token_targets(labels, shift_labels=shift_labels)[0] != IGNORE_INDEX
-            denominator = num_items_in_batch if num_items_in_batch is not None else valid.sum()
-            extra = extra + self.config.abduction_anchor_weight * safe_mean(kl[valid].sum(), denominator)
-        if self.training and self.numeric_embedding is not None and not numeric_embedding_in_graph:
-            touched = [p.sum() for p in self.numeric_embedding.parameters() if p.requires_grad]
-            if touched:
-                extra = extra + 0.0 * torch.stack(touched).sum()
-        return extra
+    def _anchor(self, hidden_states: torch.Tensor, loc_u: torch.Tensor, scale_u: torch.Tensor) -> AnchorTerm | None:
+        """U and U⁰ of the frozen abduction anchor, for the anchor term (docs/design.md §7); None without one."""
+        if self.abduction_anchor is None:
+            return None
+        with torch.no_grad():
+            anchor_loc, anchor_scale = self.abduction_anchor(hidden_states)
+        return AnchorTerm(loc_u, scale_u, anchor_loc, anchor_scale)
 
     def enable_abduction_finetuning(self, anchor_weight: float = 1.0, reset_anchor: bool = False) -> None:
         """Train the abduction network only, anchored to where it starts (docs/design.md §7).
@@ -855,49 +651,25 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, with two differences that keep the model what its config says.
+        """`PreTrainedModel.from_pretrained`, keeping the model the one its config says (`causal_qwen.loading`).
 
-        A field that only fills tensors when the model is built (`ovr_threshold`: `action.threshold`, `noise_init`:
-        `action.b_noise`, `abduction_scale_init`: `abduction.scale_net`, `regression_noise`: `action.reg_log_noise`),
-        given here, fills them from the value given, over the checkpoint's; so does a `config=` whose value differs
-        from the saved config's. And a checkpoint that lacks one of CausalQwen's own tensors (numeric embedding,
-        abduction, anchor, heads, threshold) raises a `ValueError` naming them, instead of their being drawn afresh
-        (the backbone's keys, a checkpoint of the backbone alone, and tensors given as `state_dict=` behave as in
-        transformers).
+        A field that only fills tensors when the model is built (`loading.FILLED_TENSORS`), given here or changed by
+        a `config=` from the saved config, fills them over the checkpoint's; a checkpoint that lacks one of
+        CausalQwen's own tensors raises a `ValueError` naming them, instead of their being drawn afresh.
         """
-        given = frozenset(name for name in _FILLED_TENSORS if name in kwargs)
-        filled = given | _fields_changed_from_saved(args, kwargs)
-        # Tensors passed as `state_dict=` are the caller's choice, partial or not, as in transformers.
-        token = _LOAD_FILLS.set(filled if kwargs.get("state_dict") is None else None)
-        try:
+        with load_fills(args, kwargs) as filled:
             result = super().from_pretrained(*args, **kwargs)
-        finally:
-            _LOAD_FILLS.reset(token)
         model = result[0] if isinstance(result, tuple) else result
         if isinstance(model, CausalQwenForCausalLM):
             # Loading replaces the parameters that `__init__` froze, so freeze again once they are in place.
             model.apply_freeze_backbone()
             for name in sorted(filled):
-                model._config_field_changed(name)
+                fill_from_config(model, name)
         return result
 
     def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
         super()._adjust_missing_and_unexpected_keys(loading_info)
-        fills = _LOAD_FILLS.get()
-        if fills is None:
-            return
-        own = {key for key in self.state_dict() if key.split(".", 1)[0] in _OWN_MODULES}
-        refilled = {key for name in fills for key in _FILLED_TENSORS[name]}
-        missing = sorted(key for key in loading_info.missing_keys if key in own and key not in refilled)
-        # A checkpoint without any causal tensor is a backbone's (Qwen2's, or CausalQwenModel's): its heads start as a
-        # new model's, reported as missing, as transformers does for a base model loaded into a class with a head.
-        if missing and own - set(loading_info.missing_keys):
-            hints = [hint for prefix, hint in _MISSING_KEY_HINTS.items() if any(k.startswith(prefix) for k in missing)]
-            raise ValueError(
-                f"the checkpoint lacks CausalQwen tensors the model needs: {', '.join(missing)}. They would be drawn "
-                "afresh, giving another model; load a checkpoint saved by CausalQwenForCausalLM (or convert a Qwen2 "
-                "one with CausalQwenForCausalLM.from_qwen) with the config that saved it" + "".join(hints)
-            )
+        check_missing_keys(self, loading_info.missing_keys)
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`, plus a model card (README.md) when the folder has none.
@@ -950,22 +722,4 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
     from_qwen = classmethod(convert_qwen)
 
 
-class _VectorOfOne(ConversionOps):
-    """Load `action.reg_log_noise` of a checkpoint written while it was 0-dim as the `[1]` vector it is now."""
-
-    @torch.no_grad()
-    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
-        (tensors,) = input_dict.values()
-        tensor = tensors[0] if isinstance(tensors, list) else tensors
-        return {target_patterns[0]: tensor.reshape(1)}
-
-    @property
-    def reverse_op(self) -> ConversionOps:
-        return _VectorOfOne()
-
-
-register_checkpoint_conversion_mapping(
-    CausalQwenForCausalLM.__name__,
-    [WeightConverter("action.reg_log_noise", "action.reg_log_noise", operations=[_VectorOfOne()])],
-    overwrite=True,
-)
+register_checkpoint_conversions(CausalQwenForCausalLM.__name__)

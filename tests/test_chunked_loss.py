@@ -11,7 +11,14 @@ from causal_qwen.chunked_loss import (
     chunked_ovr_loss,
     ovr_class_probability,
 )
-from causal_qwen.loss import LossOptions, causal_qwen_loss, ovr_classification_loss
+from causal_qwen.loss import (
+    DecisionScores,
+    LossOptions,
+    LossTargets,
+    Tiling,
+    causal_qwen_loss,
+    ovr_classification_loss,
+)
 from causal_qwen.modeling import CausalQwenAction
 
 N, V, C = 50, 300, 16
@@ -207,13 +214,15 @@ def test_chunk_sizes_fill_the_budget_and_do_not_grow_with_positions():
     assert choose_chunk_sizes(50, 300, 16, vocab_chunk_size=13)[1] == 13
 
 
-# The straightforward path of the model: CausalQwenAction, then loss.causal_qwen_loss.
+# The straightforward path of the model: CausalQwenAction, then loss.causal_qwen_loss of its decision scores.
 
 
-def heads(action, loc_u, scale_u):
-    """`(loc_S, scale_S, loc_Y, scale_Y)` of the action module, for the straightforward loss."""
+def straightforward_loss(action, loc_u, scale_u, labels, values, options, num_items_in_batch=None):
+    """The loss of the `[B, S, V]` scores of the action module."""
     out = action(loc_u, scale_u)
-    return out.loc_S, out.scale_S, out.loc_Y, out.scale_Y
+    targets = LossTargets.from_labels(labels, values, num_items_in_batch=num_items_in_batch)
+    return causal_qwen_loss(DecisionScores(out.loc_S, out.scale_S, action.threshold), out.loc_Y, out.scale_Y, targets,
+                            options)
 
 
 def make_action(learnable=True, use_numeric=True, dtype=torch.float32, seed=0):
@@ -270,11 +279,11 @@ def test_causal_qwen_loss_matches_straightforward_path(options, learnable, num_i
     inputs = differentiable_inputs(action, loc_u, scale_u)
     assert any(p is action.threshold for p in inputs) == learnable
 
-    want = causal_qwen_loss(*heads(action, loc_u, scale_u), labels, values, threshold=action.threshold,
-                            num_token_id=NUM, num_items_in_batch=num_items, **options)
-    got = action(loc_u, scale_u, labels, values, output_distributions=False,
-                 loss_options=LossOptions(num_token_id=NUM, **options), num_items_in_batch=num_items, chunk_size=6,
-                 vocab_chunk_size=70)
+    loss_options = LossOptions(num_token_id=NUM, **options)
+    want = straightforward_loss(action, loc_u, scale_u, labels, values, loss_options, num_items_in_batch=num_items)
+    targets = LossTargets.from_labels(labels, values, num_items_in_batch=num_items)
+    got = action(loc_u, scale_u, targets, output_distributions=False, loss_options=loss_options,
+                 tiling=Tiling(chunk_size=6, vocab_chunk_size=70))
     for name in ("loss", "cls_loss", "reg_loss"):
         assert getattr(got, name).item() == pytest.approx(getattr(want, name).item(), rel=1e-5), name
     assert want.reg_loss.item() != 0.0
@@ -287,10 +296,10 @@ def test_batch_without_num_and_text_only_model():
         loc_u, scale_u, labels, values = make_batch(with_num=use_numeric is False)
         inputs = differentiable_inputs(action, loc_u, scale_u)
         num_token_id = NUM if use_numeric else None
-        want = causal_qwen_loss(*heads(action, loc_u, scale_u), labels, values, threshold=action.threshold,
-                                num_token_id=num_token_id)
-        got = action(loc_u, scale_u, labels, values, output_distributions=False,
-                     loss_options=LossOptions(num_token_id=num_token_id))
+        options = LossOptions(num_token_id=num_token_id)
+        want = straightforward_loss(action, loc_u, scale_u, labels, values, options)
+        got = action(loc_u, scale_u, LossTargets.from_labels(labels, values), output_distributions=False,
+                     loss_options=options)
         assert got.reg_loss.item() == 0.0 == want.reg_loss.item()
         assert got.loss.item() == pytest.approx(want.loss.item(), rel=1e-5)
         got_grads = torch.autograd.grad(got.loss, inputs, allow_unused=True, materialize_grads=True)
@@ -303,7 +312,7 @@ def test_all_padding_batch_gives_zero_loss_without_nan():
     loc_u, scale_u, labels, values = make_batch()
     labels = torch.full_like(labels, -100)
     inputs = differentiable_inputs(action, loc_u, scale_u)
-    got = action(loc_u, scale_u, labels, values, output_distributions=False)
+    got = action(loc_u, scale_u, LossTargets.from_labels(labels, values), output_distributions=False)
     assert got.loss.item() == got.cls_loss.item() == got.reg_loss.item() == 0.0
     grads = torch.autograd.grad(got.loss, inputs, allow_unused=True, materialize_grads=True)
     assert all(torch.isfinite(g).all() and not g.any() for g in grads)
@@ -369,7 +378,8 @@ def test_model_loss_through_the_chunked_path(tiny_qwen):
     out = model(ids, numeric_values=values, labels=labels)
     want = torch.autograd.grad(out.loss, params, allow_unused=True, materialize_grads=True)
     out = model(ids, numeric_values=values, labels=labels)
-    got = model.action(out.loc_U, out.scale_U, labels, values, output_distributions=False, vocab_chunk_size=50)
+    got = model.action(out.loc_U, out.scale_U, LossTargets.from_labels(labels, values), output_distributions=False,
+                       tiling=Tiling(vocab_chunk_size=50))
     assert got.loss.item() == pytest.approx(out.loss.item(), rel=1e-5)
     assert got.reg_loss.item() == pytest.approx(out.reg_loss.item(), rel=1e-5) and got.reg_loss.item() != 0.0
     grads = torch.autograd.grad(got.loss, params, allow_unused=True, materialize_grads=True)

@@ -10,7 +10,7 @@ from transformers import Qwen2ForCausalLM, Trainer, TrainingArguments
 
 from causal_qwen import CausalQwenForCausalLM
 from causal_qwen.data import CausalQwenDataCollator
-from causal_qwen.loss import LossOptions, causal_qwen_loss
+from causal_qwen.loss import DecisionScores, LossOptions, LossTargets, Tiling, causal_qwen_loss
 
 pytestmark = [
     pytest.mark.cuda,
@@ -106,14 +106,14 @@ def test_fused_loss_at_full_vocabulary_equals_the_straightforward_loss_in_float6
     values = torch.randn(2, n // 2, device=CUDA, dtype=torch.float64) * 100
     common = dict(num_token_id=151_665, value_transform="symlog", gate_alpha=0.3)
 
-    fused = action(loc_u, scale_u, labels, values, output_distributions=False, loss_options=LossOptions(**common),
-                   memory_budget=64 * 2**20)
+    targets = LossTargets.from_labels(labels, values)
+    fused = action(loc_u, scale_u, targets, output_distributions=False, loss_options=LossOptions(**common),
+                   tiling=Tiling(memory_budget=64 * 2**20))
     fused_grads = torch.autograd.grad(fused.loss, [loc_u, scale_u, action.cls_head.weight])
 
     action64 = action.double()
     loc64, scale64 = loc_u.detach().double().requires_grad_(), scale_u.detach().double().requires_grad_()
-    straight = causal_qwen_loss(*heads(action64, loc64, scale64), labels, values, threshold=action64.threshold,
-                                **common)
+    straight = causal_qwen_loss(*heads(action64, loc64, scale64), targets, LossOptions(**common))
     straight_grads = torch.autograd.grad(straight.loss, [loc64, scale64, action64.cls_head.weight])
     assert fused.loss.item() == pytest.approx(straight.loss.item(), rel=1e-5)
     for got, want in zip(fused_grads, straight_grads, strict=True):
@@ -235,18 +235,19 @@ def test_bfloat16_fused_loss_runs_half_precision_products_close_to_float64():
 
     taken, real = [], chunked_loss._half_products
     with mock.patch.object(chunked_loss, "_half_products", side_effect=lambda *a: taken.append(real(*a)) or taken[-1]):
-        fused = action(loc_u, scale_u, labels, values, output_distributions=False,
-                       loss_options=LossOptions(**common), memory_budget=16 * 2**20)
+        targets = LossTargets.from_labels(labels, values)
+        fused = action(loc_u, scale_u, targets, output_distributions=False, loss_options=LossOptions(**common),
+                       tiling=Tiling(memory_budget=16 * 2**20))
         fused_grads = torch.autograd.grad(fused.loss, inputs)
     assert taken and all(taken)  # the half-precision products ran
 
     # The exact answer for these bf16 values, in float64; and autograd's own bf16 path for comparison.
     action64 = copy.deepcopy(action).double()
     leaves64 = [x.detach().double().requires_grad_() for x in (loc_u, scale_u)]
-    straight64 = causal_qwen_loss(*heads(action64, *leaves64), labels, values, threshold=action64.threshold, **common)
+    straight64 = causal_qwen_loss(*heads(action64, *leaves64), targets, LossOptions(**common))
     want = torch.autograd.grad(straight64.loss, leaves64 + [action64.cls_head.weight, action64.cls_head.bias,
                                                              action64.threshold])
-    straight16 = causal_qwen_loss(*heads(action, loc_u, scale_u), labels, values, threshold=action.threshold, **common)
+    straight16 = causal_qwen_loss(*heads(action, loc_u, scale_u), targets, LossOptions(**common))
     bf16_grads = torch.autograd.grad(straight16.loss, inputs)
 
     assert fused.loss.item() == pytest.approx(straight64.loss.item(), rel=1e-4)
@@ -258,6 +259,6 @@ def test_bfloat16_fused_loss_runs_half_precision_products_close_to_float64():
 
 
 def heads(action, loc_u, scale_u):
-    """`(loc_S, scale_S, loc_Y, scale_Y)` of the action module, for the straightforward loss."""
+    """`(DecisionScores, loc_Y, scale_Y)` of the action module, for the straightforward loss."""
     out = action(loc_u, scale_u)
-    return out.loc_S, out.scale_S, out.loc_Y, out.scale_Y
+    return DecisionScores(out.loc_S, out.scale_S, action.threshold), out.loc_Y, out.scale_Y

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from causal_qwen.loss import causal_qwen_loss
+from causal_qwen.loss import AnchorTerm, DecisionScores, LossOptions, LossTargets, causal_qwen_loss
 
 NUM = 7
 V = 12
@@ -39,6 +39,14 @@ def reference_loss(loc_s, scale_s, loc_y, scale_y, labels, values, threshold, al
     return cls + lam * reg, cls, reg
 
 
+def loss_of(loc_s, scale_s, loc_y, scale_y, labels, values, *, threshold, num_items_in_batch=None,
+            num_numbers_in_batch=None, **options):
+    """The loss of the `[B, S, V]` scores for unshifted `labels`, with `LossOptions(**options)`."""
+    targets = LossTargets.from_labels(labels, values, num_items_in_batch=num_items_in_batch,
+                                      num_numbers_in_batch=num_numbers_in_batch)
+    return causal_qwen_loss(DecisionScores(loc_s, scale_s, threshold), loc_y, scale_y, targets, LossOptions(**options))
+
+
 def make_inputs(seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     loc_s = (torch.randn(2, 6, V, generator=g) * 3 + 10).to(dtype)
@@ -57,8 +65,10 @@ def test_loss_and_gradients_match_reference(transform, alpha, lam, detach):
     threshold = torch.linspace(9.0, 12.0, V)
     tensors = [t.requires_grad_() for t in make_inputs()[:4]]
     labels, values = make_inputs()[4:]
-    out = causal_qwen_loss(*tensors, labels, values, threshold=threshold, num_token_id=NUM, gate_alpha=alpha,
-                           reg_loss_weight=lam, detach_gate=detach, value_transform=transform)
+    options = LossOptions(num_token_id=NUM, gate_alpha=alpha, reg_loss_weight=lam, detach_gate=detach,
+                          value_transform=transform)
+    out = causal_qwen_loss(DecisionScores(tensors[0], tensors[1], threshold), tensors[2], tensors[3],
+                           LossTargets.from_labels(labels, values), options)
     ref_tensors = [t.detach().double().requires_grad_() for t in tensors]
     ref = reference_loss(*ref_tensors, labels, values, threshold.double(), alpha, lam, detach, transform)
     for got, want in zip((out.loss, out.cls_loss, out.reg_loss), ref, strict=False):
@@ -73,11 +83,11 @@ def test_gate_detached_by_default_gives_no_classifier_gradient_from_regression()
     loc_s, scale_s, loc_y, scale_y, labels, values = make_inputs()
     loc_s.requires_grad_()
     loc_y.requires_grad_()
-    out = causal_qwen_loss(loc_s, scale_s, loc_y, scale_y, labels, values, threshold=10.0, num_token_id=NUM,
+    out = loss_of(loc_s, scale_s, loc_y, scale_y, labels, values, threshold=10.0, num_token_id=NUM,
                            reg_loss_weight=1.0)
     grad, grad_y = torch.autograd.grad(out.reg_loss, (loc_s, loc_y), allow_unused=True)
     assert grad is None and grad_y.abs().max().item() > 0.0
-    out = causal_qwen_loss(loc_s, scale_s, loc_y, scale_y, labels, values, threshold=10.0, num_token_id=NUM,
+    out = loss_of(loc_s, scale_s, loc_y, scale_y, labels, values, threshold=10.0, num_token_id=NUM,
                            detach_gate=False)
     (grad,) = torch.autograd.grad(out.reg_loss, loc_s)
     assert grad[..., NUM].abs().max().item() > 0.0
@@ -86,18 +96,18 @@ def test_gate_detached_by_default_gives_no_classifier_gradient_from_regression()
 def test_empty_denominators_give_zero_not_nan():
     loc_s, scale_s, loc_y, scale_y, _, values = make_inputs()
     no_labels = torch.full((2, 6), -100)
-    out = causal_qwen_loss(loc_s, scale_s, loc_y, scale_y, no_labels, values, threshold=10.0, num_token_id=NUM)
+    out = loss_of(loc_s, scale_s, loc_y, scale_y, no_labels, values, threshold=10.0, num_token_id=NUM)
     assert out.loss.item() == 0.0 and out.cls_loss.item() == 0.0 and out.reg_loss.item() == 0.0
     no_num = torch.tensor([[-100, 3, 4, 5, 1, -100], [0, 1, 2, 3, 4, 5]])
-    out = causal_qwen_loss(loc_s, scale_s, loc_y, scale_y, no_num, values, threshold=10.0, num_token_id=NUM)
+    out = loss_of(loc_s, scale_s, loc_y, scale_y, no_num, values, threshold=10.0, num_token_id=NUM)
     assert out.reg_loss.item() == 0.0 and torch.isfinite(out.loss)
 
 
 def test_num_items_in_batch_replaces_the_valid_count():
     loc_s, scale_s, loc_y, scale_y, labels, values = make_inputs()
-    base = causal_qwen_loss(loc_s, scale_s, loc_y, scale_y, labels, values, threshold=10.0, num_token_id=NUM)
+    base = loss_of(loc_s, scale_s, loc_y, scale_y, labels, values, threshold=10.0, num_token_id=NUM)
     n_valid = int((labels[:, 1:] != -100).sum())
-    scaled = causal_qwen_loss(loc_s, scale_s, loc_y, scale_y, labels, values, threshold=10.0, num_token_id=NUM,
+    scaled = loss_of(loc_s, scale_s, loc_y, scale_y, labels, values, threshold=10.0, num_token_id=NUM,
                               num_items_in_batch=torch.tensor(4 * n_valid))
     assert scaled.cls_loss.item() == pytest.approx(base.cls_loss.item() / 4, rel=1e-6)
     # The regression mean is reported as is and enters the total with this batch's share of valid positions.
@@ -118,9 +128,9 @@ def test_micro_batch_losses_with_both_counts_sum_to_the_whole_batch_loss(lam):
     n_valid = torch.tensor(int((labels[:, 1:] != -100).sum()))
     n_numbers = torch.tensor(int((labels[:, 1:] == NUM).sum()))
     got = sum(
-        causal_qwen_loss(*(t[b:b + 1] for t in leaves), labels[b:b + 1], values[b:b + 1], threshold=10.0,
-                         num_token_id=NUM, reg_loss_weight=lam, num_items_in_batch=n_valid,
-                         num_numbers_in_batch=n_numbers).loss
+        loss_of(*(t[b:b + 1] for t in leaves), labels[b:b + 1], values[b:b + 1], threshold=10.0,
+                num_token_id=NUM, reg_loss_weight=lam, value_transform="identity", num_items_in_batch=n_valid,
+                num_numbers_in_batch=n_numbers).loss
         for b in (0, 1)
     )
     # The loss is accumulated in fp32 (docs/design.md §4), hence fp32 tolerances.
@@ -135,7 +145,7 @@ def test_value_head_stays_in_the_graph_without_a_number_target():
     loc_s, scale_s, loc_y, scale_y, _, values = make_inputs()
     loc_y.requires_grad_()
     no_num = torch.tensor([[-100, 3, 4, 5, 1, -100], [0, 1, 2, 3, 4, 5]])
-    out = causal_qwen_loss(loc_s, scale_s, loc_y, scale_y, no_num, values, threshold=10.0, num_token_id=NUM)
+    out = loss_of(loc_s, scale_s, loc_y, scale_y, no_num, values, threshold=10.0, num_token_id=NUM)
     (grad,) = torch.autograd.grad(out.loss, loc_y, allow_unused=True)
     assert grad is not None and torch.equal(grad, torch.zeros_like(loc_y))
 
@@ -149,7 +159,7 @@ def test_finite_for_extreme_values_and_scores(dtype):
         scale_s[0, 1] = 1e-6
     values[0, 2], values[1, 5] = 1e30, -1e30
     tensors = [t.detach().requires_grad_() for t in (loc_s, scale_s, loc_y, scale_y)]
-    out = causal_qwen_loss(*tensors, labels, values, threshold=10.0, num_token_id=NUM,
+    out = loss_of(*tensors, labels, values, threshold=10.0, num_token_id=NUM,
                            value_transform="identity", detach_gate=False)
     out.loss.backward()
     assert torch.isfinite(out.loss) and out.loss.dtype == torch.float32
@@ -161,8 +171,45 @@ def test_values_beyond_float32_need_symlog():
     loc_s, scale_s, loc_y, scale_y, labels, values = make_inputs()
     values[0, 2] = 1e300
     with pytest.raises(ValueError, match="numeric_labels"):
-        causal_qwen_loss(loc_s, scale_s, loc_y, scale_y, labels, values, threshold=10.0, num_token_id=NUM,
+        loss_of(loc_s, scale_s, loc_y, scale_y, labels, values, threshold=10.0, num_token_id=NUM,
                          value_transform="identity")
-    out = causal_qwen_loss(loc_s, scale_s, loc_y, scale_y, labels, values, threshold=10.0, num_token_id=NUM,
+    out = loss_of(loc_s, scale_s, loc_y, scale_y, labels, values, threshold=10.0, num_token_id=NUM,
                            value_transform="symlog")
     assert torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize("num_items", [None, 13])
+def test_anchor_term_is_the_kl_mean_over_the_targets_labelled_positions(num_items):
+    # β · Σ over labelled positions of Σ_c KL(U ‖ U⁰), divided by their count or by num_items_in_batch, in float64
+    # from the closed form KL = log(((γ1 + γ2)² + (μ1 − μ2)²) / (4 γ1 γ2)); targets given unshifted or shifted agree.
+    loc_s, scale_s, loc_y, scale_y, labels, values = make_inputs()
+    g = torch.Generator().manual_seed(3)
+    loc_u, anchor_loc = torch.randn(2, 6, 4, generator=g), torch.randn(2, 6, 4, generator=g)
+    scale_u, anchor_scale = torch.rand(2, 6, 4, generator=g) + 0.1, torch.rand(2, 6, 4, generator=g) + 0.1
+    options = LossOptions(num_token_id=NUM, anchor_weight=0.7)
+    head = DecisionScores(loc_s, scale_s, 10.0)
+    anchor = AnchorTerm(loc_u, scale_u, anchor_loc, anchor_scale)
+    shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    shifted_values = torch.nn.functional.pad(values[:, 1:], (0, 1))
+    for targets in (LossTargets.from_labels(labels, values, num_items_in_batch=num_items),
+                    LossTargets.from_labels(None, shift_labels=shifted, shift_numeric_labels=shifted_values,
+                                            num_items_in_batch=num_items)):
+        plain = causal_qwen_loss(head, loc_y, scale_y, targets, options)
+        out = causal_qwen_loss(head, loc_y, scale_y, targets, options, anchor)
+        mu1, g1, mu2, g2 = (t.double() for t in (loc_u, scale_u, anchor_loc, anchor_scale))
+        kl = torch.log(((g1 + g2) ** 2 + (mu1 - mu2) ** 2) / (4 * g1 * g2)).sum(-1)
+        valid = shifted != -100
+        count = num_items if num_items is not None else int(valid.sum())
+        want = plain.loss.double() + 0.7 * kl[valid].sum() / count
+        assert out.loss.item() == pytest.approx(want.item(), rel=1e-6)
+        assert out.cls_loss.item() == plain.cls_loss.item() and out.reg_loss.item() == plain.reg_loss.item()
+        assert torch.equal(targets.labels, shifted) and torch.equal(targets.valid, valid)
+
+
+def test_loss_options_take_the_config_defaults():
+    from causal_qwen import CausalQwenConfig
+
+    config = CausalQwenConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1, num_token_id=15)
+    assert LossOptions(num_token_id=15) == LossOptions.from_config(config)
+    assert LossOptions(num_token_id=15).value_transform == config.value_transform == "symlog"

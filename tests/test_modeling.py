@@ -507,6 +507,28 @@ def test_regression_noise_adds_a_learnable_value_scale(tiny_qwen, tmp_path):
         CausalQwenForCausalLM.from_qwen(tiny_qwen, use_numeric=False, regression_noise=1.0)
 
 
+def test_checkpoint_with_a_0_dim_value_noise_loads_on_both_paths(tiny_qwen, tmp_path):
+    # Checkpoints written while action.reg_log_noise was 0-dim: from_pretrained (transformers' weight conversions)
+    # and load_state_dict (torch's module hooks) are separate paths, and each reads it as the [1] vector it is now.
+    from safetensors.torch import load_file, save_file
+
+    model = build(tiny_qwen, regression_noise=0.5)
+    randomize_heads(model)
+    model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["action.reg_log_noise"] = tensors["action.reg_log_noise"].reshape(())
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+
+    loaded = CausalQwenForCausalLM.from_pretrained(tmp_path)
+    fresh = build(tiny_qwen, regression_noise=0.5)
+    fresh.load_state_dict(tensors)
+    for other in (loaded, fresh):
+        assert other.action.reg_log_noise.shape == (1,)
+        assert other.state_dict().keys() == model.state_dict().keys()
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(other.state_dict()[name], tensor), name
+
+
 def test_num_row_from_digit_rows_keeps_every_other_logit_and_greedy(tiny_qwen):
     digits = list(range(10, 20))
     model = build(tiny_qwen, num_row_init=digits)

@@ -1,0 +1,133 @@
+"""The model's tensors and its config: a built or loaded model stays the one its config says.
+
+- A field that decides the model's modules cannot be edited on a built model's config (`check_config_edit`); a field
+  that fills tensors fills them again when edited (`fill_from_config`).
+- A config field that only fills tensors when the model is built (`FILLED_TENSORS`), given to `from_pretrained` or
+  changed by a `config=` from the saved config, fills them again after loading (`load_fills`).
+- A checkpoint that lacks one of CausalQwen's own tensors raises a `ValueError` naming them, instead of their being
+  drawn afresh (`check_missing_keys`); the backbone's keys, a checkpoint of the backbone alone, and tensors given as
+  `state_dict=` behave as in transformers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator
+
+import torch
+
+from .configuration import CausalQwenConfig
+
+__all__ = ["FILLED_TENSORS", "check_config_edit", "check_missing_keys", "fill_from_config", "inverse_softplus",
+           "load_fills"]
+
+# Fields that decide a model's modules when it is built: a built model cannot follow an edit of them.
+_MODULE_FIELDS = {
+    "use_numeric": "whether the model has a numeric embedding and a regression head",
+    "causal_size": "the size of the abduction and action layers",
+    "learnable_threshold": "whether action.threshold is a trainable parameter",
+    "context_values": "whether the abduction network reads the context's values (abduction.context_values)",
+    "context_values_rank": "the size of abduction.context_values",
+}
+# Fields that only fill tensors when a model is built, and those tensors: an edit of the field (or a value given to
+# `from_pretrained`) fills them again, so that the model is the one its config describes.
+FILLED_TENSORS = {
+    "ovr_threshold": ("action.threshold",),
+    "noise_init": ("action.b_noise",),
+    "abduction_scale_init": ("abduction.scale_net.weight", "abduction.scale_net.bias"),
+    "regression_noise": ("action.reg_log_noise",),
+}
+# The top-level modules of CausalQwen's own tensors (the rest, `model.*`, is the Qwen2 backbone).
+_OWN_MODULES = ("numeric_embedding", "abduction", "abduction_anchor", "action")
+_MISSING_KEY_HINTS = {
+    "action.reg_log_noise": ". A checkpoint saved without a value noise is the model of regression_noise=0.0: load it "
+                            "with from_pretrained(..., regression_noise=0.0), or with a positive value to start one",
+    "abduction_anchor.": ". The anchor is made by model.enable_abduction_finetuning(weight) after loading; load with "
+                         "abduction_anchor_weight=0.0",
+}
+# The fields whose tensors the `from_pretrained` call under way fills from the config; None when it refuses no missing
+# key (not under way, or given the tensors as `state_dict=` rather than a checkpoint).
+_LOAD_FILLS: contextvars.ContextVar[frozenset | None] = contextvars.ContextVar("causal_qwen_load_fills", default=None)
+
+
+def inverse_softplus(y: float) -> float:
+    """softplus⁻¹(y) = log(expm1(y)), written as y + log(−expm1(−y)) so that large y cannot overflow."""
+    return y + math.log(-math.expm1(-y))
+
+
+def check_config_edit(model, name: str, old, new) -> None:
+    """Refuse an edit of `config.<name>` that the built `model` cannot follow: the field decides its modules."""
+    if name in _MODULE_FIELDS or (name == "regression_noise" and (old > 0) != (new > 0)):
+        what = _MODULE_FIELDS.get(name, "whether action.reg_log_noise exists (0 or not)")
+        raise ValueError(
+            f"{name} decides {what} when the model is built, and this config belongs to a built model: "
+            f"build the model with {name}={new!r} instead (CausalQwenForCausalLM.from_qwen(..., {name}=...), or "
+            f"from_pretrained(..., {name}=...))"
+        )
+    if name == "abduction_anchor_weight" and new > 0 and model.abduction_anchor is None:
+        raise ValueError("abduction_anchor_weight > 0 needs the frozen anchor copy of the abduction network, which "
+                         f"this model has not got: call model.enable_abduction_finetuning({new!r})")
+
+
+@torch.no_grad()
+def fill_from_config(model, name: str) -> None:
+    """Fill the tensors of `model` that `config.<name>` initialises (`FILLED_TENSORS`) from its current value."""
+    config = model.config
+    if name == "ovr_threshold":
+        model.action.threshold.fill_(float(config.ovr_threshold))
+    elif name == "noise_init":
+        model.action.b_noise.fill_(config.noise_init)
+    elif name == "abduction_scale_init":
+        model.abduction.scale_net.weight.zero_()
+        model.abduction.scale_net.bias.fill_(inverse_softplus(config.abduction_scale_init))
+    elif name == "regression_noise" and model.action.reg_log_noise is not None:
+        model.action.reg_log_noise.fill_(math.log(config.regression_noise))
+
+
+@contextlib.contextmanager
+def load_fills(args: tuple, kwargs: dict) -> Iterator[frozenset]:
+    """Around a `from_pretrained(*args, **kwargs)` call: yields the fields whose tensors to fill after it."""
+    given = frozenset(name for name in FILLED_TENSORS if name in kwargs)
+    filled = given | _fields_changed_from_saved(args, kwargs)
+    # Tensors passed as `state_dict=` are the caller's choice, partial or not, as in transformers.
+    token = _LOAD_FILLS.set(filled if kwargs.get("state_dict") is None else None)
+    try:
+        yield filled
+    finally:
+        _LOAD_FILLS.reset(token)
+
+
+def check_missing_keys(model, missing_keys) -> None:
+    """Raise if the checkpoint being loaded into `model` lacks CausalQwen tensors that no config field fills."""
+    fills = _LOAD_FILLS.get()
+    if fills is None:
+        return
+    own = {key for key in model.state_dict() if key.split(".", 1)[0] in _OWN_MODULES}
+    refilled = {key for name in fills for key in FILLED_TENSORS[name]}
+    missing = sorted(key for key in missing_keys if key in own and key not in refilled)
+    # A checkpoint without any causal tensor is a backbone's (Qwen2's, or CausalQwenModel's): its heads start as a
+    # new model's, reported as missing, as transformers does for a base model loaded into a class with a head.
+    if missing and own - set(missing_keys):
+        hints = [hint for prefix, hint in _MISSING_KEY_HINTS.items() if any(k.startswith(prefix) for k in missing)]
+        raise ValueError(
+            f"the checkpoint lacks CausalQwen tensors the model needs: {', '.join(missing)}. They would be drawn "
+            "afresh, giving another model; load a checkpoint saved by CausalQwenForCausalLM (or convert a Qwen2 "
+            "one with CausalQwenForCausalLM.from_qwen) with the config that saved it" + "".join(hints)
+        )
+
+
+def _fields_changed_from_saved(args: tuple, kwargs: dict) -> frozenset:
+    """The tensor-filling fields in which a `config=` given to `from_pretrained` differs from the checkpoint's."""
+    config = kwargs.get("config")
+    path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+    if not isinstance(config, CausalQwenConfig) or path is None:
+        return frozenset()
+    hub = {key: kwargs[key] for key in ("cache_dir", "force_download", "proxies", "local_files_only", "token",
+                                        "revision", "subfolder") if key in kwargs}
+    try:
+        saved, _ = CausalQwenConfig.get_config_dict(path, **hub)
+    except OSError:  # no config.json beside the weights: nothing to compare with
+        return frozenset()
+    return frozenset(name for name in FILLED_TENSORS if name in saved and saved[name] != getattr(config, name))

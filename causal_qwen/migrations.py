@@ -1,0 +1,49 @@
+"""Checkpoints written by earlier versions, read as the model is now.
+
+A change of a saved tensor is listed once here and applied on both loading paths: transformers' `from_pretrained`
+(a weight conversion registered for the model class) and torch's `load_state_dict` (`upgrade_state_dict`, called by
+the module that owns the tensor), which do not share a hook.
+
+- `action.reg_log_noise` was 0-dim and is a `[1]` vector now (FSDP2's `fully_shard` and DeepSpeed take no 0-dim
+  parameter).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import ConversionOps, WeightConverter
+
+__all__ = ["register_checkpoint_conversions", "upgrade_state_dict"]
+
+# Tensors saved 0-dim by earlier versions that are [1] vectors now: (owning module in the model, tensor name).
+_VECTORS_OF_ONE = (("action", "reg_log_noise"),)
+
+
+class _VectorOfOne(ConversionOps):
+    """Load a tensor of `_VECTORS_OF_ONE` written while it was 0-dim as the `[1]` vector it is now."""
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        (tensors,) = input_dict.values()
+        tensor = tensors[0] if isinstance(tensors, list) else tensors
+        return {target_patterns[0]: tensor.reshape(1)}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return _VectorOfOne()
+
+
+def register_checkpoint_conversions(model_class_name: str) -> None:
+    """Register the conversions of `from_pretrained` for the model class of that name."""
+    converters = [WeightConverter(f"{module}.{name}", f"{module}.{name}", operations=[_VectorOfOne()])
+                  for module, name in _VECTORS_OF_ONE]
+    register_checkpoint_conversion_mapping(model_class_name, converters, overwrite=True)
+
+
+def upgrade_state_dict(module_name: str, state_dict: dict, prefix: str) -> None:
+    """Rewrite, in place, the tensors of module `module_name` (of the model) under `prefix` in `state_dict`."""
+    for owner, name in _VECTORS_OF_ONE:
+        key = prefix + name
+        if owner == module_name and key in state_dict and state_dict[key].dim() == 0:
+            state_dict[key] = state_dict[key].reshape(1)
