@@ -22,7 +22,7 @@ import torch
 from .cauchy import nll
 from .context_values import CausalQwenContextValues
 
-__all__ = ["ContextRows", "fit_context_values"]
+__all__ = ["ContextRows", "fit_context_values", "linear_weights"]
 
 MAX_CONTEXT = 16
 """Earlier numbers each row keeps (the latest ones) for the start; the model itself reads all of them."""
@@ -137,6 +137,22 @@ def fit_context_values(model, rows: ContextRows, x: torch.Tensor, scale_u: torch
     chosen = linear_only.state_dict() if best[1] is None else best[1]
     _write_back(path, chosen, mean, to_coords)
     return {"context_rows": n, "context_nll_linear": baseline, "context_nll": best[0], "context_step": best[2]}
+
+
+@torch.no_grad()
+def linear_weights(model, rows: ContextRows, chunk: int = 256) -> torch.Tensor:
+    """π_0, the weight the model's path gives the linear read-out, at each row `[N]` (float64, on the CPU)."""
+    path: CausalQwenContextValues = model.abduction.context_values
+    weight = next(path.parameters())
+    queries, keys, values, present = rows.stacked(len(rows.queries))
+    out = []
+    for lo in range(0, len(queries), chunk):
+        part = [t[lo:lo + chunk].to(weight.device) for t in (queries, keys, values, present)]
+        q, k, v, p = part
+        key_maps, entries = path.entries(k.to(weight.dtype), p, v, model.config.value_transform)
+        read = path.read(q.to(weight.dtype)[:, None], key_maps, entries, p[:, None], model.config.value_transform)
+        out.append(read.linear_weight[:, 0].cpu())
+    return torch.cat(out)
 
 
 @torch.no_grad()

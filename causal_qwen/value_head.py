@@ -35,7 +35,7 @@ import torch
 
 from .cauchy import linear, transform_values
 from .checks import check_positive_finite
-from .context_start import ContextRows, fit_context_values
+from .context_start import ContextRows, fit_context_values, linear_weights
 from .labels import IGNORE_INDEX, next_token_targets
 
 __all__ = ["NotEnoughNumbersError", "ValueHeadFit", "fit_value_head", "known_next_tokens", "num_decision_start",
@@ -422,8 +422,15 @@ def refit_value_readout(
     and `config.value_head_fit` (the record of the start) are left as they are.
     """
     rows = _read_rows_in_eval(model, batches, max_positions, 0, "refit_value_readout")
-    penalty, error, noise = _write_readout(model, rows.x, rows.y, penalties)
-    return ValueHeadFit(positions=int(rows.x.shape[0]), penalty=penalty, loo_median_abs_error=error,
+    x, y = rows.x, rows.y
+    if rows.context is not None:
+        # With the context-value path, the read-out serves the rows where the path weighs it most (π_0 ≥ ½); a row
+        # the path copies or computes would pull it towards a value it is not asked for there.
+        served = linear_weights(model, rows.context) >= 0.5
+        if int(served.sum()) >= 3:
+            x, y = x[served[:len(x)]], y[served[:len(y)]]
+    penalty, error, noise = _write_readout(model, x, y, penalties)
+    return ValueHeadFit(positions=int(x.shape[0]), penalty=penalty, loo_median_abs_error=error,
                         regression_noise=noise)
 
 
