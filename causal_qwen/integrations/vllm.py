@@ -331,6 +331,10 @@ class CausalQwenForVLLM(nn.Module):
         self.numeric_embedding = CausalQwenNumericEmbedding(config) if config.use_numeric else None
         self.abduction = CausalQwenAbduction(config)
         self.action = CausalQwenAction(config)
+        # The class head is the model's one vocabulary-sized matmul per step: it goes through vLLM's own head method,
+        # as Qwen2's lm_head does, so that vLLM prepares its fast matmul for the weight after loading (oneDNN on
+        # CPU) and keeps the weight itself, which standard mode's |W_cls| reads.
+        self.action.cls_head.quant_method = _head_method()
         self.num_token_id = config.num_token_id if config.use_numeric else None
         self.batch = _batch_of(vllm_config)
         self.batch.num_token_id = self.num_token_id
@@ -399,8 +403,9 @@ class CausalQwenForVLLM(nn.Module):
         loc_in, scale_in = self.action.head_inputs(loc_u, scale_u)
         modes = self._row_modes(hidden_states.shape[0])
         standard = [row for row, mode in enumerate(modes) if mode == "standard"]
-        loc_s, _ = self.action.classify(loc_in, None)
-        logits = loc_s.float()
+        head = self.action.cls_head
+        # loc_S = W_cls loc + b_cls, the formula of `CausalQwenAction.classify(loc, None)`, through vLLM's matmul.
+        logits = head.quant_method.apply(head, loc_in.to(head.weight.dtype), bias=head.bias).float()
         if standard:
             rows = torch.tensor(standard, device=hidden_states.device)
             std_loc, std_scale = self.action.classify(loc_in[rows], scale_in[rows])
@@ -431,6 +436,12 @@ class CausalQwenForVLLM(nn.Module):
 
         loader = AutoWeightsLoader(self, ignore_unexpected_prefixes=["abduction_anchor."])
         return loader.load_weights(_vector_log_noise(weights))
+
+
+def _head_method():
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    return UnquantizedEmbeddingMethod()
 
 
 def untransform(y: torch.Tensor, transform: str) -> torch.Tensor:
