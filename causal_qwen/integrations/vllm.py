@@ -139,8 +139,11 @@ class GeneratedNumber:
     upper: float
 
 
-def generated_numbers(sampling_params) -> list[GeneratedNumber]:
+def generated_numbers(sampling_params, *, every_step: bool = False) -> list[GeneratedNumber]:
     """The numbers written for a finished request of an engine in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`).
+
+    With `every_step`, the value head's prediction at every generated position, `<NUM>` or not: the value a `<NUM>`
+    written there would have had.
 
     The request is known by the key that [`number_prompt`] put in its `extra_args`. An engine in another process
     keeps them there: vLLM's outputs have no per-token field to carry them back (docs/serving.md).
@@ -151,7 +154,7 @@ def generated_numbers(sampling_params) -> list[GeneratedNumber]:
     if key not in _KEPT:
         raise KeyError(f"no request {key!r} ran in this process: its engine runs in another process")
     request, batch = _KEPT[key]
-    return request.numbers(batch.num_token_id, batch.value_transform)
+    return request.numbers(batch.num_token_id, batch.value_transform, every_step=every_step)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -184,14 +187,14 @@ class RequestNumbers:
         return self.predicted[position][0]
 
 
-    def numbers(self, num_token_id: int, value_transform: str) -> list[GeneratedNumber]:
-        """The `<NUM>`s of the output with their values and 90% intervals."""
+    def numbers(self, num_token_id: int, value_transform: str, *, every_step: bool = False) -> list[GeneratedNumber]:
+        """The `<NUM>`s of the output (every position with `every_step`) with their values and 90% intervals."""
         from ..cauchy import central_interval, untransform_values
 
         found = []
         start = len(self.prompt_ids)
         for index, token in enumerate(list(self.output_ids)):
-            if token != num_token_id or start + index not in self.predicted:
+            if (token != num_token_id and not every_step) or start + index not in self.predicted:
                 continue
             value, loc, scale = self.predicted[start + index]
             # As the library's `value_interval` computes it: the heads' float32 distribution, in float64.
