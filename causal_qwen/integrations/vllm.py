@@ -139,8 +139,11 @@ class GeneratedNumber:
     upper: float
 
 
-def generated_numbers(sampling_params) -> list[GeneratedNumber]:
+def generated_numbers(sampling_params, *, every_step: bool = False) -> list[GeneratedNumber]:
     """The numbers written for a finished request of an engine in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`).
+
+    With `every_step`, the value head's prediction at every generated position, `<NUM>` or not: the value a `<NUM>`
+    written there would have had.
 
     The request is known by the key that [`number_prompt`] put in its `extra_args`. An engine in another process
     keeps them there: vLLM's outputs have no per-token field to carry them back (docs/serving.md).
@@ -151,7 +154,7 @@ def generated_numbers(sampling_params) -> list[GeneratedNumber]:
     if key not in _KEPT:
         raise KeyError(f"no request {key!r} ran in this process: its engine runs in another process")
     request, batch = _KEPT[key]
-    return request.numbers(batch.num_token_id, batch.value_transform)
+    return request.numbers(batch.num_token_id, batch.value_transform, every_step=every_step)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -184,14 +187,14 @@ class RequestNumbers:
         return self.predicted[position][0]
 
 
-    def numbers(self, num_token_id: int, value_transform: str) -> list[GeneratedNumber]:
-        """The `<NUM>`s of the output with their values and 90% intervals."""
+    def numbers(self, num_token_id: int, value_transform: str, *, every_step: bool = False) -> list[GeneratedNumber]:
+        """The `<NUM>`s of the output (every position with `every_step`) with their values and 90% intervals."""
         from ..cauchy import central_interval, untransform_values
 
         found = []
         start = len(self.prompt_ids)
         for index, token in enumerate(list(self.output_ids)):
-            if token != num_token_id or start + index not in self.predicted:
+            if (token != num_token_id and not every_step) or start + index not in self.predicted:
                 continue
             value, loc, scale = self.predicted[start + index]
             # As the library's `value_interval` computes it: the heads' float32 distribution, in float64.
@@ -331,6 +334,10 @@ class CausalQwenForVLLM(nn.Module):
         self.numeric_embedding = CausalQwenNumericEmbedding(config) if config.use_numeric else None
         self.abduction = CausalQwenAbduction(config)
         self.action = CausalQwenAction(config)
+        # The class head is the model's one vocabulary-sized matmul per step: it goes through vLLM's own head method,
+        # as Qwen2's lm_head does, so that vLLM prepares its fast matmul for the weight after loading (oneDNN on
+        # CPU) and keeps the weight itself, which standard mode's |W_cls| reads.
+        self.action.cls_head.quant_method = _head_method()
         self.num_token_id = config.num_token_id if config.use_numeric else None
         self.batch = _batch_of(vllm_config)
         self.batch.num_token_id = self.num_token_id
@@ -399,8 +406,9 @@ class CausalQwenForVLLM(nn.Module):
         loc_in, scale_in = self.action.head_inputs(loc_u, scale_u)
         modes = self._row_modes(hidden_states.shape[0])
         standard = [row for row, mode in enumerate(modes) if mode == "standard"]
-        loc_s, _ = self.action.classify(loc_in, None)
-        logits = loc_s.float()
+        head = self.action.cls_head
+        # loc_S = W_cls loc + b_cls, the formula of `CausalQwenAction.classify(loc, None)`, through vLLM's matmul.
+        logits = head.quant_method.apply(head, loc_in.to(head.weight.dtype), bias=head.bias).float()
         if standard:
             rows = torch.tensor(standard, device=hidden_states.device)
             std_loc, std_scale = self.action.classify(loc_in[rows], scale_in[rows])
@@ -431,6 +439,12 @@ class CausalQwenForVLLM(nn.Module):
 
         loader = AutoWeightsLoader(self, ignore_unexpected_prefixes=["abduction_anchor."])
         return loader.load_weights(_vector_log_noise(weights))
+
+
+def _head_method():
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    return UnquantizedEmbeddingMethod()
 
 
 def untransform(y: torch.Tensor, transform: str) -> torch.Tensor:
