@@ -22,7 +22,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 from vllm import LLM, SamplingParams, TokensPrompt  # noqa: E402
 from vllm.exceptions import VLLMValidationError  # noqa: E402
 
-from causal_qwen import CausalQwenForCausalLM, CausalQwenTokenizer  # noqa: E402
+from causal_qwen import CausalQwenConfig, CausalQwenForCausalLM, CausalQwenTokenizer  # noqa: E402
 from causal_qwen.integrations.vllm import KEY_ARG, generated_numbers, number_prompt  # noqa: E402
 
 NUM = 127
@@ -178,6 +178,21 @@ def test_tiny_prompt_values_reach_the_model(tiny, tiny_llm):
     first, second = (list(o.outputs[0].token_ids) for o in tiny_llm.generate(prompts, params, use_tqdm=False))
     assert first != second
     assert second == library_greedy(tiny[0], ids, other, "traditional")[0]
+
+
+def test_a_checkpoint_with_the_context_path_is_refused_by_name(tiny, engines, tmp_path):
+    base = CausalQwenForCausalLM.from_pretrained(tiny[1])
+    model = CausalQwenForCausalLM(CausalQwenConfig(**{**base.config.to_dict(), "context_values": True}))
+    model.load_state_dict(base.state_dict(), strict=False)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(Exception) as caught:
+        engines.get(tmp_path, skip_tokenizer_init=True)
+    chain = []
+    error = caught.value
+    while error is not None:
+        chain.append(str(error))
+        error = error.__cause__ or error.__context__
+    assert any("context_values=True" in message and "does not serve" in message for message in chain), chain
 
 
 def test_tiny_unsupported_requests_are_refused(tiny_llm):

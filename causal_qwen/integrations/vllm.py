@@ -329,6 +329,12 @@ class CausalQwenForVLLM(nn.Module):
         from ..modeling import CausalQwenAbduction, CausalQwenAction, CausalQwenNumericEmbedding
 
         config = vllm_config.model_config.hf_config
+        if getattr(config, "context_values", False):
+            raise ValueError(
+                "this checkpoint has context_values=True (the abduction reads the earlier <NUM> values, docs/design.md "
+                "§1b), which the vLLM plugin does not serve yet: serve it with the library's generate, or convert "
+                "without the path"
+            )
         self.config = config
         self.model = Qwen2Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.numeric_embedding = CausalQwenNumericEmbedding(config) if config.use_numeric else None
