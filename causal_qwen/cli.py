@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--report-to", default="none", help="Trainer's report_to, e.g. tensorboard, wandb, none")
     train.add_argument("--value-head-start", action=argparse.BooleanOptionalAction, default=True,
                        help="fit the value head on the training data before the first step (default: on; "
-                            "see causal_qwen.value_head)")
+                            "see causal_qwen.starts)")
 
     evaluate = commands.add_parser("eval", help="metrics table and plots",
                                    description="Evaluate every metric (docs/design.md §6) and write PNG plots.")
