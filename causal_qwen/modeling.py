@@ -97,8 +97,9 @@ class CausalQwenOutput(ModelOutput):
             Gated Cauchy NLL, averaged over positions whose label is `<NUM>` (0 when there is none).
         logits (`torch.FloatTensor` of shape `(B, S, V)`):
             The same tensor as `loc_S`, so code written for Qwen2 logits keeps working; None where `loc_S` is (a
-            training step's fused loss). Inside `generate` only, the scores its loop ranks at the last position:
-            `loc_S` in `traditional` mode, the standardised margin (`CausalQwenAction.margin`) in the others.
+            training step's fused loss, which never builds it). Inside `generate` too, where `loc_S` is the mode's
+            (given the sampled individual in `causal` mode, the noise draw with `shared_noise`); the scores a mode
+            ranks when they are not `loc_S` (the standardised margins) travel as generation scores.
         loc_S, scale_S (`torch.FloatTensor` of shape `(B, S, V)`):
             Location and scale of the Cauchy decision score of every class.
         loc_Y, scale_Y (`torch.FloatTensor` of shape `(B, S)`, *optional*):
@@ -630,8 +631,8 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
                 `causal_qwen.chunked_loss` (same loss and gradients, no `[B, S, V]` tensor); `loc_Y`, `scale_Y`,
                 `loc_U`, `scale_U` are always returned.
             generation_state (`CausalGenerationState`, *optional*): set by `generate`; the heads then run
-                in the generation mode at the positions `logits_to_keep` kept (the last one outside `traditional`
-                mode), and `logits` holds that mode's decision scores.
+                in the generation mode at the positions `logits_to_keep` kept (the last one only in a mode that draws
+                anew at every step), and `loc_S` (= `logits`), `scale_S`, `loc_Y`, `scale_Y` are that mode's.
             shift_labels (`torch.LongTensor` of shape `(B, S)`, *optional*, a keyword in `kwargs` as in Qwen2):
                 Targets already shifted (`shift_labels[:, i]` is the target of position i), as context-parallel
                 training passes them (Trainer, accelerate; transformers' `ForCausalLMLoss` takes them alike): the loss
@@ -679,8 +680,8 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
         loc_u, scale_u = self.abduction(hidden_states)
 
         if generation_state is not None:
-            logits, distributions = generation_state.decide(self.action, loc_u, scale_u)
-            heads = CausalQwenActionOutput(**distributions)
+            heads = CausalQwenActionOutput(**generation_state.decide(self.action, loc_u, scale_u))
+            logits = heads.loc_S  # the mode's own scores reach the loop as scores (generation.DecisionScores)
             rows = logits.shape[1]  # the positions the mode decided
             loc_u, scale_u = loc_u[:, -rows:], scale_u[:, -rows:]
         else:
