@@ -27,6 +27,7 @@ class DecisionRule:
         softmax: its scores are loc_S, the logits of a softmax: sampling (`do_sample`), beam search and an
             assistant's speculative sampling apply. Otherwise its scores are its own (`scores`).
         shared_option: the `generate` option that makes its draw one per sequence (None: it has none).
+        shared_summary: what that option does, for the command's help.
         shared_reason: why that option belongs to this mode, for the error that names it in another mode.
         assistant_mode: the mode an assistant CausalQwen proposes candidates in (the rule without its draws).
     """
@@ -35,6 +36,7 @@ class DecisionRule:
     summary: str = ""
     softmax: bool = False
     shared_option: str | None = None
+    shared_summary: str = ""
     shared_reason: str = ""
     assistant_mode: str = "standard"
 
@@ -68,6 +70,7 @@ class StandardRule(DecisionRule):
     name = "standard"
     summary = "argmax of the One-vs-Rest probabilities (the default without sampling)"
     shared_option = "shared_noise"
+    shared_summary = "one noise draw per text"
     shared_reason = "with 'causal' the decision would keep no uncertainty"
 
     def draws(self, shared: bool) -> str | None:
@@ -89,6 +92,7 @@ class CausalRule(StandardRule):
     name = "causal"
     summary = "sample an individual, then decide under the noise alone"
     shared_option = "shared_individual"
+    shared_summary = "one individual per text"
     shared_reason = "it fixes the sampled individual"
 
     def draws(self, shared: bool) -> str | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from .generation_modes import DECISION_RULES, DEFAULT_MODE, SAMPLING_MODE
 
 GENERATION_MODES = tuple(DECISION_RULES)
+"""The names of the modes, as the registry lists them (`generation_modes.DECISION_RULES`)."""
 
 __all__ = ["GENERATION_MODES", "GenerationOptionError", "resolve_mode", "check_generation_options"]
 
@@ -30,7 +31,7 @@ def resolve_mode(mode: str | None, do_sample: bool | None) -> str:
     if mode is None:
         return SAMPLING_MODE if do_sample else DEFAULT_MODE
     if mode not in DECISION_RULES:
-        raise GenerationOptionError("mode", f"mode must be one of {GENERATION_MODES} or None, got {mode!r}")
+        raise GenerationOptionError("mode", f"mode must be one of {tuple(DECISION_RULES)} or None, got {mode!r}")
     return mode
 
 
