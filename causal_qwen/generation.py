@@ -633,13 +633,8 @@ class CausalQwenGenerationMixin(GenerationMixin):
         resolved = _resolve_options(self, generation_config, kwargs)
         rule = _choose_rule(resolved, generation_config, kwargs, mode, shared_individual, shared_noise, generator)
         if not rule.softmax:
-            copies = resolved.num_return_sequences or 1
-            generation_config, kwargs = _override(generation_config, kwargs, do_sample=False,
-                                                  num_return_sequences=1)
-            if copies > 1:
-                # Greedy search refuses several sequences per prompt; here each copy draws its own ε (causal) or
-                # noise (shared_noise), so repeat the prompts instead.
-                inputs, numeric_values, kwargs = _repeat_prompts(copies, inputs, numeric_values, kwargs)
+            generation_config, kwargs, inputs, numeric_values = _by_argmax(
+                resolved.num_return_sequences or 1, generation_config, kwargs, inputs, numeric_values)
         prompt_ids = inputs if inputs is not None else kwargs.get("input_ids")
         prompt_ids = prompt_ids if isinstance(prompt_ids, torch.Tensor) and prompt_ids.dim() == 2 else None
         return_dict = kwargs.pop("return_dict_in_generate", resolved.return_dict_in_generate)
@@ -911,6 +906,16 @@ def _cut_before_number(candidates: torch.Tensor, logits: torch.Tensor | None, le
     if logits is not None:
         logits = logits[:, :keep] if keep > 0 else None
     return candidates[:, : length + keep], logits
+
+
+def _by_argmax(copies: int, generation_config, kwargs: dict, inputs, numeric_values):
+    """The call's options for a rule that decides by an argmax: greedy search, `copies` repeated prompts."""
+    generation_config, kwargs = _override(generation_config, kwargs, do_sample=False, num_return_sequences=1)
+    if copies > 1:
+        # Greedy search refuses several sequences per prompt; here each copy draws its own ε (causal) or noise
+        # (shared_noise), so repeat the prompts instead.
+        inputs, numeric_values, kwargs = _repeat_prompts(copies, inputs, numeric_values, kwargs)
+    return generation_config, kwargs, inputs, numeric_values
 
 
 def _repeat_prompts(copies: int, inputs, numeric_values, kwargs: dict):
