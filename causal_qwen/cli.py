@@ -16,6 +16,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from .generation_modes import DECISION_RULES
 from .generation_options import GenerationOptionError, check_generation_options
 
 __all__ = ["main", "build_parser"]
@@ -55,10 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    description="Generate a continuation of PROMPT in any mode.")
     generate.add_argument("model", help="CausalQwen folder")
     generate.add_argument("prompt", nargs="+", help="one or more prompts")
-    generate.add_argument("--mode", choices=["standard", "causal", "traditional"],
-                          help="default: traditional with --do-sample, standard otherwise")
-    generate.add_argument("--shared-individual", action="store_true", help="causal mode: one individual per text")
-    generate.add_argument("--shared-noise", action="store_true", help="standard mode: one noise draw per text")
+    generate.add_argument("--mode", choices=list(DECISION_RULES),
+                          help="; ".join(f"{name}: {rule.summary}" for name, rule in DECISION_RULES.items()))
+    for rule in DECISION_RULES.values():
+        if rule.shared_option is not None:
+            generate.add_argument(f"--{rule.shared_option.replace('_', '-')}", action="store_true",
+                                  help=f"{rule.name} mode: {rule.shared_summary}")
     generate.add_argument("--do-sample", action="store_true",
                           help="sample from the softmax (traditional mode, the default with it)")
     generate.add_argument("--temperature", type=float)
@@ -93,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--report-to", default="none", help="Trainer's report_to, e.g. tensorboard, wandb, none")
     train.add_argument("--value-head-start", action=argparse.BooleanOptionalAction, default=True,
                        help="fit the value head on the training data before the first step (default: on; "
-                            "see causal_qwen.value_head)")
+                            "see causal_qwen.starts)")
 
     evaluate = commands.add_parser("eval", help="metrics table and plots",
                                    description="Evaluate every metric (docs/design.md §6) and write PNG plots.")

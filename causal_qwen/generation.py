@@ -4,10 +4,12 @@
 decoding). What this module adds is decided per step at the last position (at every candidate position when
 assisted decoding verifies candidates):
 
-- which decision scores the loop sees as `logits`: `loc_S` in `traditional` mode (softmax as in Qwen2),
-  and in `standard` and `causal` mode the standardised margins z_k = (loc_S,k − C_k) / scale_S,k: P_k =
-  1/2 + atan(z_k)/π is increasing in z_k, so argmax z is exactly argmax P, without the transcendental
-  functions and without P's loss of resolution near 1;
+- how a step decides, by its mode's rule (`generation_modes`): the forward's `logits` are always `loc_S`, which
+  transformers returns as `output_logits`; a mode that ranks scores of its own (`standard` and `causal`: the
+  standardised margins z_k = (loc_S,k − C_k) / scale_S,k, whose argmax is the argmax of the OvR probabilities P_k =
+  1/2 + atan(z_k)/π, without the transcendental function and without P's loss of resolution near 1) hands them to
+  the loop through its first logits processor ([`DecisionScores`]), so that later processors, the argmax and
+  `output_scores` see them;
 - the random draws of `causal` mode, of `shared_noise` and of `traditional` sampling, from the caller's
   `torch.Generator` when one is given, without reading or changing torch's global RNG;
 - the numbers: when the chosen token is `<NUM>`, the mode's predicted value becomes its
@@ -35,12 +37,13 @@ from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, Generat
 
 from .cauchy import uniform
 from .checks import check_numbers_have_values, check_values
+from .generation_modes import DECISION_RULES, SAMPLING_MODE, DecisionRule
 from .generation_options import GENERATION_MODES, check_generation_options, resolve_mode
 
 __all__ = [
     "GENERATION_MODES", "CausalQwenGenerateOutput", "CausalQwenGenerateBeamOutput", "CausalGenerationState",
-    "CausalQwenGenerationMixin", "GeneratorSampling", "StopStringsWithNumbers", "StreamerWithNumbers",
-    "check_generation_options",
+    "CausalQwenGenerationMixin", "DecisionScores", "GeneratedNumbers", "GeneratorSampling", "ModeDecisions",
+    "StopStringsWithNumbers", "StreamerWithNumbers", "check_generation_options",
 ]
 
 
@@ -63,42 +66,79 @@ class CausalQwenGenerateOutput(GenerateDecoderOnlyOutput):
     scale_Y: torch.Tensor | None = None
 
 
-class CausalGenerationState:
-    """What one `generate` call carries from step to step: the mode, its random draws and the numbers so far.
+class ModeDecisions:
+    """The decisions of one `generate` call: its mode's rule, the rule's random draws and the scores it ranks.
 
-    The numbers are kept per row, aligned with the ids: `numeric_values` `[R, n]` holds the values of the first n
-    ids, and the last forward's predictions (`pending`, one per position it decided) give the values of the ids
-    chosen since. `sync` is called with the ids the loop holds before every forward and at the end; it keeps the
-    values of the ids before `pending_start` (the first position the last forward predicted) and takes each later
-    `<NUM>` id's value from the prediction for its position. This covers one new token per step, several accepted
-    at once (assisted and prompt-lookup decoding, whose rejected candidates are simply dropped) and steps undone
-    at the end. Beam search reorders the rows at every step; `_BeamHistory` follows the hypotheses (see there).
+    The draws come from the caller's `torch.Generator` when one is given, without reading or changing torch's global
+    RNG: ε of a step, or one ε per sequence kept in `shared_draw` when the rule shares it.
+    """
+
+    def __init__(self, rule: DecisionRule, *, shared: bool, generator: torch.Generator | None,
+                 sample_with_generator: bool = False):
+        self.rule = rule
+        self.shared = shared  # the rule's `shared_option` was set
+        self.generator = generator
+        # Traditional sampling with a generator: the loop takes the argmax of scores in which `GeneratorSampling`
+        # has kept the token it drew from the generator (CausalQwenGenerationMixin._sample).
+        self.sample_with_generator = sample_with_generator
+        self.shared_draw: torch.Tensor | None = None  # [R, C]: ε (shared individual) or ε_noise (shared noise)
+        self.scores: torch.Tensor | None = None  # [R, k, V] the rule's scores where the last forward decided
+
+    @property
+    def draws_each_step(self) -> bool:
+        """Whether a decision draws anew at every step (`causal` mode without a shared individual)."""
+        return self.rule.draws_each_step(self.shared)
+
+    def decide(self, action, loc_u: torch.Tensor, scale_u: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The heads' input `(loc, scale)` `[R, k, C]` and the decision distribution `(loc_S, scale_S)` `[R, k, V]`.
+
+        Every position of `loc_u`, `scale_u` `[R, n, C]` is decided (k = n), except by a rule that draws anew at
+        every step, which decides the last one only (its draw belongs to one step). The rule's own scores, if it
+        ranks any but loc_S, are kept in `scores` for `DecisionScores`.
+        """
+        if self.draws_each_step:
+            loc_u, scale_u = loc_u[:, -1:], scale_u[:, -1:]
+        eps = self._draw(loc_u).unsqueeze(1) if self.rule.draws(self.shared) else None
+        loc_in, scale_in = self.rule.head_inputs(action, loc_u, scale_u, eps)
+        # The softmax needs loc_S only: skip the pass over |W_cls| that scale_S would cost.
+        loc_s, scale_s = action.classify(loc_in, None if self.rule.softmax else scale_in)
+        self.scores = self.rule.scores(action, loc_s, scale_s)
+        return loc_in, scale_in, loc_s, scale_s
+
+    def _draw(self, like: torch.Tensor) -> torch.Tensor:
+        """ε ~ U(0, 1)^[R, C]: fresh each step, or drawn once and reused when the mode shares it."""
+        if self.shared and self.shared_draw is not None:
+            return self.shared_draw
+        eps = uniform((like.shape[0], like.shape[-1]), like.device, self.generator)
+        if self.shared:
+            self.shared_draw = eps
+        return eps
+
+
+class GeneratedNumbers:
+    """The numbers of one `generate` call, kept per row and aligned with the ids.
+
+    `numeric_values` `[R, n]` holds the values of the first n ids, and the last forward's predictions (`pending`, one
+    per position it decided) give the values of the ids chosen since. `sync` is called with the ids the loop holds
+    before every forward and at the end; it keeps the values of the ids before `pending_start` (the first position
+    the last forward predicted) and takes each later `<NUM>` id's value from the prediction for its position. This
+    covers one new token per step, several accepted at once (assisted and prompt-lookup decoding, whose rejected
+    candidates are simply dropped) and steps undone at the end. Beam search reorders the rows at every step;
+    `_BeamHistory` follows the hypotheses (see there).
     """
 
     def __init__(
         self,
-        mode: str,
         *,
-        shared_individual: bool,
-        shared_noise: bool,
-        generator: torch.Generator | None,
         num_token_id: int | None,
         to_value: Callable[[torch.Tensor], torch.Tensor],
         num_beams: int = 1,
         prompt_length: int | None = None,
-        sample_with_generator: bool = False,
     ):
-        self.mode = mode
-        self.shared_individual = shared_individual
-        self.shared_noise = shared_noise
-        self.generator = generator
         self.num_token_id = num_token_id
         self.to_value = to_value
         self.num_beams = num_beams
         self.prompt_length = prompt_length
-        # Traditional sampling with a generator: the loop takes the argmax of scores in which `GeneratorSampling`
-        # has kept the token it drew from the generator (CausalQwenGenerationMixin._sample).
-        self.sample_with_generator = sample_with_generator
         self.numeric_values: torch.Tensor | None = None  # [R, n] float64, the values of the first n ids
         self.loc_y: torch.Tensor | None = None  # [R, n] the regression distribution that predicted each position
         self.scale_y: torch.Tensor | None = None
@@ -108,9 +148,17 @@ class CausalGenerationState:
         self._decided_rows: int | None = None  # how many positions the last forward decided
         self._pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # value, loc_Y, scale_Y [R, k]
         self._predicted: tuple[torch.Tensor, torch.Tensor] | None = None  # loc_Y, scale_Y as the forward gave them
-        self.shared_draw: torch.Tensor | None = None  # [R, C]: ε (shared individual) or ε_noise (shared noise)
         self.beams: _BeamHistory | None = None
         self.overflow_warned = False
+
+    def predicted(self, rows: int, loc_y: torch.Tensor | None, scale_y: torch.Tensor | None) -> None:
+        """Take the last forward's regression distributions `[R, rows]` (None without a regression head)."""
+        # Where these predictions start is worked out at the next sync: the ids' length changes at every step, and
+        # a compiled forward that read it would be compiled again for each length.
+        self._decided_rows = rows
+        if loc_y is not None:
+            self.has_values = True
+            self._pending, self._predicted = None, (loc_y, scale_y)
 
     @property
     def pending(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -231,63 +279,78 @@ class CausalGenerationState:
         """`[R, k]`: the values the last forward predicted for the positions it decided."""
         return self.pending[0] if self.pending is not None else None
 
+
+class CausalGenerationState:
+    """What one `generate` call carries from step to step: its decisions and its numbers.
+
+    The forward calls `decide` at the positions it kept; `prepare_inputs_for_generation`, the stopping criteria,
+    the streamer and the candidate generator read the numbers (`numbers`).
+    """
+
+    def __init__(self, decisions: ModeDecisions, numbers: GeneratedNumbers):
+        self.decisions = decisions
+        self.numbers = numbers
+
+    @property
+    def rule(self) -> DecisionRule:
+        return self.decisions.rule
+
     def decide(
         self, action, loc_u: torch.Tensor, scale_u: torch.Tensor, context=None
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
-        """The mode's decision scores and distributions at the positions the loop reads.
+    ) -> dict[str, torch.Tensor | None]:
+        """The mode's distributions at the positions the loop reads.
 
         Args:
             action: the model's `CausalQwenAction`.
             loc_u, scale_u: `[R, n, C]`, the positions kept by `logits_to_keep` (1 in a plain step, the candidates
-                and one more when assisted decoding verifies candidates). Each mode decides them all, except
-                `causal` mode with a fresh individual per step, which decides the last one only (its draw belongs
-                to one step).
+                and one more when assisted decoding verifies candidates); see `ModeDecisions.decide`.
             context: the abduction's read of the context's values at those positions (`ContextRead`), or None.
 
         Returns:
-            `logits` `[R, k, V]`, the scores the generation loop ranks (`loc_S` in `traditional` mode, else the
-            standardised margin `action.margin`), and the distributions `loc_S`, `scale_S` `[R, k, V]` (`scale_S`
-            is None in `traditional` mode, which ranks loc_S alone), `loc_Y`, `scale_Y` `[R, k]` (None without a
-            regression head).
+            `loc_S`, `scale_S` `[R, k, V]` (`scale_S` is None in `traditional` mode, which ranks loc_S alone), `loc_Y`,
+            `scale_Y` `[R, k]` (None without a regression head). The scores the mode ranks, when they are not
+            loc_S, wait in `decisions.scores` for the first logits processor ([`DecisionScores`]).
         """
-        traditional = self.mode == "traditional"
-        if self.draws_each_step:
-            loc_u, scale_u = loc_u[:, -1:], scale_u[:, -1:]
-            context = context.last(1) if context is not None else None
-        if self.mode == "causal":
-            loc_in, scale_in = action.head_inputs(loc_u, scale_u, individual=self._draw(loc_u).unsqueeze(1))
-        elif self.shared_noise:
-            loc_in, scale_in = action.head_inputs(loc_u, scale_u, noise=self._draw(loc_u).unsqueeze(1))
-        else:
-            loc_in, scale_in = action.head_inputs(loc_u, scale_u)
-        # The softmax needs loc_S only: skip the pass over |W_cls| that scale_S would cost.
-        loc_s, scale_s = action.classify(loc_in, None if traditional else scale_in)
+        loc_in, scale_in, loc_s, scale_s = self.decisions.decide(action, loc_u, scale_u)
         loc_y = scale_y = None
-        # Where these predictions start is worked out at the next sync: the ids' length changes at every step, and
-        # a compiled forward that read it would be compiled again for each length.
-        self._decided_rows = loc_u.shape[1]
         if action.reg_head is not None:
-            self.has_values = True
-            loc_y, scale_y = action.regress(loc_in, scale_in, context)
-            self._pending, self._predicted = None, (loc_y, scale_y)
-        logits = loc_s if traditional else action.margin(loc_s, scale_s)
-        return logits, {"loc_S": loc_s, "scale_S": scale_s, "loc_Y": loc_y, "scale_Y": scale_y}
+            # The positions the mode decided are the last ones of those kept.
+            loc_y, scale_y = action.regress(loc_in, scale_in, context.last(loc_s.shape[1]) if context else None)
+        self.numbers.predicted(loc_s.shape[1], loc_y, scale_y)
+        return {"loc_S": loc_s, "scale_S": scale_s, "loc_Y": loc_y, "scale_Y": scale_y}
 
-    @property
-    def draws_each_step(self) -> bool:
-        """Whether a decision draws anew at every step (`causal` mode without a shared individual)."""
-        return self.mode == "causal" and not self.shared_individual
+    def decision_scores(self, length: int) -> torch.Tensor:
+        """`[R, V]`: the rule's scores for the id at index `length`, from the last forward's decided positions."""
+        scores = self.decisions.scores
+        if scores is None:
+            raise RuntimeError(f"mode {self.rule.name!r} has no scores of its own, or no forward decided yet")
+        # The last forward read `synced_length` ids and decided its last k positions, which predict the ids from
+        # index synced_length − k + 1 on.
+        index = length - (self.numbers.synced_length - scores.shape[1] + 1)
+        if not 0 <= index < scores.shape[1]:
+            raise RuntimeError(f"the last forward decided the ids before {self.numbers.synced_length + 1}, not the "
+                               f"id at index {length}")
+        return scores[:, index]
 
-    def _draw(self, like: torch.Tensor) -> torch.Tensor:
-        """ε ~ U(0, 1)^[R, C]: fresh each step, or drawn once and reused when the mode shares it."""
-        shared = self.shared_individual or self.shared_noise
-        if shared and self.shared_draw is not None:
-            return self.shared_draw
-        shape = (like.shape[0], like.shape[-1])
-        eps = uniform(shape, like.device, self.generator)
-        if shared:
-            self.shared_draw = eps
-        return eps
+    def sync(self, input_ids: torch.Tensor, prompt_values: torch.Tensor | None) -> torch.Tensor:
+        return self.numbers.sync(input_ids, prompt_values)
+
+
+class DecisionScores(LogitsProcessor):
+    """The first logits processor of a mode that ranks scores of its own: those scores, in place of loc_S.
+
+    The forward's `logits` are loc_S in every mode, and transformers returns them as `output_logits`. In `standard`
+    and `causal` mode the forward also computes the standardised margins z_k = (loc_S,k − C_k)/scale_S,k that the
+    mode ranks; this processor hands them to the loop, so every later processor, the argmax and `output_scores`
+    see them, as transformers' split of raw logits and processed scores intends.
+    """
+
+    def __init__(self, state: CausalGenerationState):
+        self.state = state
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        decided = self.state.decision_scores(input_ids.shape[1])
+        return decided.to(device=scores.device, dtype=scores.dtype, copy=True)
 
 
 _MAX_VALUE = torch.finfo(torch.float64).max
@@ -314,7 +377,7 @@ class _BeamHistory:
         self.predicted: dict[int, tuple[float, float, float]] = {}  # node → value, loc_Y, scale_Y of the next id
         self.next_node = self.groups
 
-    def record(self, state: CausalGenerationState) -> None:
+    def record(self, state: GeneratedNumbers) -> None:
         """Keep the last forward's prediction for each row's node."""
         if state.pending is None:
             return
@@ -322,7 +385,7 @@ class _BeamHistory:
         for row, node in enumerate(self.nodes):
             self.predicted[node] = (value[row], loc[row], scale[row])
 
-    def follow(self, state: CausalGenerationState, input_ids: torch.Tensor) -> None:
+    def follow(self, state: GeneratedNumbers, input_ids: torch.Tensor) -> None:
         """Reorder the state's rows after beam search rebuilt them; `input_ids` are the new rows."""
         previous = self.rows_ids
         if input_ids.shape[1] != previous.shape[1] + 1:
@@ -345,7 +408,7 @@ class _BeamHistory:
         self.nodes = [self._child(self.nodes[j], t) for j, t in zip(source.tolist(), tokens, strict=True)]
         self.rows_ids = input_ids
 
-    def values_of(self, state: CausalGenerationState, input_ids: torch.Tensor) -> torch.Tensor:
+    def values_of(self, state: GeneratedNumbers, input_ids: torch.Tensor) -> torch.Tensor:
         """Values of beam search's candidates, rows that extend a running row of their prompt by one token.
 
         Each candidate takes the values of the running row it extends and, for a `<NUM>` as its last token, that
@@ -379,7 +442,7 @@ class _BeamHistory:
             self.next_node += 1
         return found
 
-    def finish(self, state: CausalGenerationState, sequences: torch.Tensor):
+    def finish(self, state: GeneratedNumbers, sequences: torch.Tensor):
         """Values and regression distributions of the returned sequences, read from the trie."""
         self.record(state)
         rows, length = sequences.shape
@@ -437,9 +500,9 @@ class StopStringsWithNumbers(StoppingCriteria):
                 "stop_strings on a model that writes numbers need the CausalQwenTokenizer as tokenizer=, whose decode "
                 f"writes each <NUM> as its value; got {type(tokenizer).__name__}"
             )
-        if tokenizer.num_token_id != state.num_token_id:
+        if tokenizer.num_token_id != state.numbers.num_token_id:
             raise ValueError(f"tokenizer's <NUM> id {tokenizer.num_token_id} is not the model's num_token_id "
-                             f"{state.num_token_id}")
+                             f"{state.numbers.num_token_id}")
         self.stop_strings = list(strings)
         self.tokenizer = tokenizer
         self.state = state
@@ -449,12 +512,12 @@ class StopStringsWithNumbers(StoppingCriteria):
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         length = input_ids.shape[1]
-        checked = self.checked_length if self.checked_length is not None else self.state.prompt_length
+        checked = self.checked_length if self.checked_length is not None else self.state.numbers.prompt_length
         new = max(1, length - (checked or 0))
         self.checked_length = length
         window = min(length, new + self.context)
         ids = input_ids[:, length - window:].tolist()
-        values = self.state.values_of(input_ids)[:, length - window:].tolist()
+        values = self.state.numbers.values_of(input_ids)[:, length - window:].tolist()
         texts = self.tokenizer.batch_decode(ids, numeric_values=values)
         before = self.tokenizer.batch_decode([row[:-new] for row in ids], numeric_values=[v[:-new] for v in values])
         stops = [self._reaches_new_text(old, text) for old, text in zip(before, texts, strict=True)]
@@ -572,54 +635,29 @@ class CausalQwenGenerationMixin(GenerationMixin):
         """
         _check_prompt_arguments(inputs, kwargs, numeric_values, generator)
         resolved = _resolve_options(self, generation_config, kwargs)
-        sampling = resolved.do_sample is True
-        asked = kwargs["do_sample"] if "do_sample" in kwargs else getattr(generation_config, "do_sample", None)
-        num_beams = resolved.num_beams or 1
-        assistant_model = kwargs.get("assistant_model")
-        decoding = GenerationConfig.get_generation_mode(resolved, assistant_model)
-        if mode is None and decoding in _SOFTMAX_DECODINGS:
-            # Beam search ranks log-probabilities of the softmax over loc_S, which is what `traditional` mode gives:
-            # asked for without a mode, it implies it, as sampling does.
-            mode = "traditional"
-        mode = check_generation_options(mode if mode is not None else resolve_mode(None, sampling),
-                                        shared_individual, shared_noise, asked)
-        _check_decoding(decoding, mode, sampling, num_beams, generator, assistant_model, resolved.prefill_chunk_size,
-                        shared_individual)
-        if mode != "traditional":
-            sampling = False
-            copies = resolved.num_return_sequences or 1
-            generation_config, kwargs = _override(generation_config, kwargs, do_sample=False,
-                                                  num_return_sequences=1)
-            if copies > 1:
-                # Greedy search refuses several sequences per prompt; here each copy draws its own ε (causal) or
-                # noise (shared_noise), so repeat the prompts instead.
-                inputs, numeric_values, kwargs = _repeat_prompts(copies, inputs, numeric_values, kwargs)
+        rule = _choose_rule(resolved, generation_config, kwargs, mode, shared_individual, shared_noise, generator)
+        if not rule.softmax:
+            generation_config, kwargs, inputs, numeric_values = _by_argmax(
+                resolved.num_return_sequences or 1, generation_config, kwargs, inputs, numeric_values)
         prompt_ids = inputs if inputs is not None else kwargs.get("input_ids")
         prompt_ids = prompt_ids if isinstance(prompt_ids, torch.Tensor) and prompt_ids.dim() == 2 else None
         return_dict = kwargs.pop("return_dict_in_generate", resolved.return_dict_in_generate)
         # The numbers come back with the output object: ask for it (on a copy of a config passed, so that transformers
         # does not warn about a config passed together with generation keywords).
         generation_config, kwargs = _override(generation_config, kwargs, return_dict_in_generate=True)
+        sampling = rule.softmax and resolved.do_sample is True
         state = CausalGenerationState(
-            mode, shared_individual=shared_individual, shared_noise=shared_noise, generator=generator,
-            num_token_id=self.config.num_token_id if self.config.use_numeric else None, to_value=self.to_value,
-            num_beams=num_beams, prompt_length=prompt_ids.shape[1] if prompt_ids is not None else None,
-            sample_with_generator=sampling and generator is not None,
+            ModeDecisions(rule, shared=shared_individual or shared_noise, generator=generator,
+                          sample_with_generator=sampling and generator is not None),
+            GeneratedNumbers(num_token_id=self.config.num_token_id if self.config.use_numeric else None,
+                             to_value=self.to_value, num_beams=resolved.num_beams or 1,
+                             prompt_length=prompt_ids.shape[1] if prompt_ids is not None else None),
         )
-        if resolved.stop_strings is not None and state.num_token_id is not None:
-            if kwargs.get("tokenizer") is None:
-                raise ValueError("stop_strings need the tokenizer: pass tokenizer= (the CausalQwenTokenizer) to "
-                                 "generate")
-            stop = StopStringsWithNumbers(resolved.stop_strings, kwargs["tokenizer"], state)
-            kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), stop])
-        if kwargs.get("streamer") is not None and state.num_token_id is not None:
-            kwargs["streamer"] = StreamerWithNumbers(kwargs["streamer"], state, numeric_values)
-        if state.num_token_id is not None:
-            check_numbers_have_values(prompt_ids, numeric_values, state.num_token_id)
+        kwargs = _with_number_hooks(state, resolved.stop_strings, prompt_ids, numeric_values, kwargs)
         output = super().generate(
             inputs, generation_config, numeric_values=numeric_values, generation_state=state, **kwargs,
         )
-        values, loc_y, scale_y = state.finish(output.sequences)
+        values, loc_y, scale_y = state.numbers.finish(output.sequences)
         if not return_dict:
             return output.sequences
         if not output_value_scores:
@@ -627,6 +665,14 @@ class CausalQwenGenerationMixin(GenerationMixin):
         kind = CausalQwenGenerateBeamOutput if isinstance(output, GenerateBeamDecoderOnlyOutput) else \
             CausalQwenGenerateOutput
         return kind(**output, numeric_values=values, loc_Y=loc_y, scale_Y=scale_y)
+
+    def _get_logits_processor(self, generation_config, *args, model_kwargs: dict | None = None, **kwargs):
+        """transformers' processors, after [`DecisionScores`] when the mode ranks scores of its own."""
+        processors = super()._get_logits_processor(generation_config, *args, model_kwargs=model_kwargs, **kwargs)
+        state = (model_kwargs or {}).get("generation_state")
+        if state is not None and not state.rule.softmax:
+            processors.insert(0, DecisionScores(state))
+        return processors
 
     def _get_stopping_criteria(self, generation_config, stopping_criteria, tokenizer=None, **kwargs):
         """transformers' criteria, less its `StopStringCriteria` where `StopStringsWithNumbers` takes its place."""
@@ -639,14 +685,14 @@ class CausalQwenGenerationMixin(GenerationMixin):
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
         """transformers' greedy and sampling loop; with a generator, traditional sampling uses `GeneratorSampling`."""
         state = model_kwargs.get("generation_state")
-        if state is None or not state.sample_with_generator or not generation_config.do_sample:
+        if state is None or not state.decisions.sample_with_generator or not generation_config.do_sample:
             return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
         # The warpers (temperature, top-k, top-p, ...) were built for sampling; the loop now takes the argmax of the
         # scores the sampler leaves, which is the token it drew.
         generation_config = copy.deepcopy(generation_config)
         generation_config.do_sample = False
         keep = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
-        sampler = GeneratorSampling(state.generator, keep_scores=keep)
+        sampler = GeneratorSampling(state.decisions.generator, keep_scores=keep)
         processors = LogitsProcessorList([*logits_processor, sampler])
         output = super()._sample(input_ids, processors, stopping_criteria, generation_config, **model_kwargs)
         if keep and not isinstance(output, torch.Tensor) and output.scores is not None:
@@ -676,7 +722,9 @@ class CausalQwenGenerationMixin(GenerationMixin):
         if isinstance(assistant_model, CausalQwenGenerationMixin):
             # The assistant proposes by the rule that verifies: the softmax, or the OvR probabilities (without this
             # model's draws, which it does not share).
-            shared["mode"] = "traditional" if state.mode == "traditional" else "standard"
+            shared["mode"] = state.rule.assistant_mode
+        # The assistant's own generate applies these processors to its own scores: this model's are not for it.
+        logits_processor = LogitsProcessorList(p for p in logits_processor if not isinstance(p, DecisionScores))
         candidates = super()._get_candidate_generator(
             generation_config, input_ids, inputs_tensor, logits_processor, shared, assistant_model,
             target_tokenizer, assistant_tokenizer,
@@ -688,7 +736,7 @@ class CausalQwenGenerationMixin(GenerationMixin):
             if numeric_assistant:
                 candidates.assistant_kwargs["numeric_values"] = values.to(assistant_model.device)
             proposed, logits = propose(ids, **kwargs)
-            return _cut_before_number(proposed, logits, ids.shape[1], state.num_token_id)
+            return _cut_before_number(proposed, logits, ids.shape[1], state.numbers.num_token_id)
 
         candidates.get_candidates = get_candidates
         return candidates
@@ -758,8 +806,27 @@ def _check_prompt_arguments(inputs, kwargs: dict, numeric_values, generator) -> 
     check_values("numeric_values", numeric_values, prompt_ids.shape)
 
 
-def _check_decoding(decoding, mode: str, sampling: bool, num_beams: int, generator, assistant_model,
-                    prefill_chunk_size: int | None, shared_individual: bool = False) -> None:
+def _choose_rule(resolved: SimpleNamespace, generation_config, kwargs: dict, mode: str | None,
+                 shared_individual: bool, shared_noise: bool, generator) -> DecisionRule:
+    """The rule of the mode this call runs in, once its options and decoding strategy are checked together."""
+    sampling = resolved.do_sample is True
+    asked = kwargs["do_sample"] if "do_sample" in kwargs else getattr(generation_config, "do_sample", None)
+    assistant_model = kwargs.get("assistant_model")
+    decoding = GenerationConfig.get_generation_mode(resolved, assistant_model)
+    if mode is None and decoding in _SOFTMAX_DECODINGS:
+        # Beam search ranks log-probabilities of the softmax over loc_S, which is what `traditional` mode gives:
+        # asked for without a mode, it implies it, as sampling does.
+        mode = SAMPLING_MODE
+    mode = check_generation_options(mode if mode is not None else resolve_mode(None, sampling),
+                                    shared_individual, shared_noise, asked)
+    rule = DECISION_RULES[mode]
+    _check_decoding(decoding, rule, shared_individual or shared_noise, sampling, resolved.num_beams or 1, generator,
+                    assistant_model, resolved.prefill_chunk_size)
+    return rule
+
+
+def _check_decoding(decoding, rule: DecisionRule, shared: bool, sampling: bool, num_beams: int, generator,
+                    assistant_model, prefill_chunk_size: int | None) -> None:
     """Refuse, naming the argument, the decoding strategies that the mode cannot run with its numbers."""
     if decoding not in _SUPPORTED_DECODING:
         raise ValueError(
@@ -773,11 +840,13 @@ def _check_decoding(decoding, mode: str, sampling: bool, num_beams: int, generat
         )
     if decoding == GenerationMode.ASSISTED_GENERATION:
         argument = "assistant_model" if assistant_model is not None else "prompt_lookup_num_tokens"
-        if mode == "causal" and not shared_individual:
+        if rule.draws_each_step(shared):
+            others = " or ".join(repr(name) for name, other in DECISION_RULES.items()
+                                 if not other.draws_each_step(False))
             raise ValueError(
-                f"{argument} (assisted decoding) verifies several positions in one forward, and mode='causal' draws "
-                "a fresh individual at every step: pass shared_individual=True (one individual per sequence), or "
-                "use mode='standard' or 'traditional'"
+                f"{argument} (assisted decoding) verifies several positions in one forward, and mode={rule.name!r} "
+                f"draws anew at every step: pass {rule.shared_option}=True (one draw per sequence), or use mode="
+                f"{others}"
             )
         if sampling and generator is not None:
             raise ValueError(
@@ -785,17 +854,35 @@ def _check_decoding(decoding, mode: str, sampling: bool, num_beams: int, generat
                 "its tokens from torch's global RNG; seed it with torch.manual_seed instead"
             )
     if num_beams > 1:
-        if mode != "traditional":
+        if not rule.softmax:
             raise ValueError(
-                f"num_beams={num_beams} needs mode='traditional', got {mode!r}: beam search ranks hypotheses by "
-                "summed log-probabilities, and only traditional mode's softmax gives them (the scores of the other "
-                "modes are standardised OvR margins)"
+                f"num_beams={num_beams} needs mode={SAMPLING_MODE!r}, got {rule.name!r}: beam search ranks "
+                f"hypotheses by summed log-probabilities, and only {SAMPLING_MODE} mode's softmax gives them (the "
+                "scores of the other modes are standardised OvR margins)"
             )
         if sampling and generator is not None:
             raise ValueError(
                 f"generator cannot drive beam sampling (num_beams={num_beams}, do_sample=True): transformers draws "
                 "the beams from torch's global RNG; seed it with torch.manual_seed instead"
             )
+
+
+def _with_number_hooks(state: CausalGenerationState, stop_strings, prompt_ids: torch.Tensor | None,
+                       numeric_values: torch.Tensor | None, kwargs: dict) -> dict:
+    """The generate keywords with the stop strings and the streamer that write numbers, for a model with numbers."""
+    num_token_id = state.numbers.num_token_id
+    if num_token_id is None:
+        return kwargs
+    kwargs = dict(kwargs)
+    if stop_strings is not None:
+        if kwargs.get("tokenizer") is None:
+            raise ValueError("stop_strings need the tokenizer: pass tokenizer= (the CausalQwenTokenizer) to generate")
+        stop = StopStringsWithNumbers(stop_strings, kwargs["tokenizer"], state)
+        kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), stop])
+    if kwargs.get("streamer") is not None:
+        kwargs["streamer"] = StreamerWithNumbers(kwargs["streamer"], state, numeric_values)
+    check_numbers_have_values(prompt_ids, numeric_values, num_token_id)
+    return kwargs
 
 
 def _override(generation_config, kwargs: dict, **fields):
@@ -823,6 +910,16 @@ def _cut_before_number(candidates: torch.Tensor, logits: torch.Tensor | None, le
     if logits is not None:
         logits = logits[:, :keep] if keep > 0 else None
     return candidates[:, : length + keep], logits
+
+
+def _by_argmax(copies: int, generation_config, kwargs: dict, inputs, numeric_values):
+    """The call's options for a rule that decides by an argmax: greedy search, `copies` repeated prompts."""
+    generation_config, kwargs = _override(generation_config, kwargs, do_sample=False, num_return_sequences=1)
+    if copies > 1:
+        # Greedy search refuses several sequences per prompt; here each copy draws its own ε (causal) or noise
+        # (shared_noise), so repeat the prompts instead.
+        inputs, numeric_values, kwargs = _repeat_prompts(copies, inputs, numeric_values, kwargs)
+    return generation_config, kwargs, inputs, numeric_values
 
 
 def _repeat_prompts(copies: int, inputs, numeric_values, kwargs: dict):
@@ -871,13 +968,13 @@ class StreamerWithNumbers(BaseStreamer):
             self.seen_prompt = True
             values = self.prompt_values.reshape(-1) if self.prompt_values is not None else torch.zeros(ids.shape)
         else:
-            pending = self.state.pending_values()
+            pending = self.state.numbers.pending_values()
             values = torch.zeros(ids.shape, dtype=torch.float64)
-            if pending is not None and self.state.num_token_id is not None:
+            if pending is not None and self.state.numbers.num_token_id is not None:
                 # One row (streamers take batches of one); an assisted step may accept several ids at once.
                 predicted = pending.reshape(-1)[: ids.numel()].cpu()
                 values[: predicted.numel()] = predicted
-                values = torch.where(ids.cpu() == self.state.num_token_id, values, torch.zeros_like(values))
+                values = torch.where(ids.cpu() == self.state.numbers.num_token_id, values, torch.zeros_like(values))
         cached = len(self.streamer.token_cache)
         aligned = (self.cached_values[len(self.cached_values) - cached:] if cached else []) + values.tolist()
         self.streamer.decode_kwargs["numeric_values"] = aligned

@@ -83,8 +83,9 @@ class CausalQwenOutput(ModelOutput):
             Gated Cauchy NLL, averaged over positions whose label is `<NUM>` (0 when there is none).
         logits (`torch.FloatTensor` of shape `(B, S, V)`):
             The same tensor as `loc_S`, so code written for Qwen2 logits keeps working; None where `loc_S` is (a
-            training step's fused loss). Inside `generate` only, the scores its loop ranks at the last position:
-            `loc_S` in `traditional` mode, the standardised margin (`CausalQwenAction.margin`) in the others.
+            training step's fused loss, which never builds it). Inside `generate` too, where `loc_S` is the mode's
+            (given the sampled individual in `causal` mode, the noise draw with `shared_noise`); the scores a mode
+            ranks when they are not `loc_S` (the standardised margins) travel as generation scores.
         loc_S, scale_S (`torch.FloatTensor` of shape `(B, S, V)`):
             Location and scale of the Cauchy decision score of every class.
         loc_Y, scale_Y (`torch.FloatTensor` of shape `(B, S)`, *optional*):
@@ -531,10 +532,22 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
             output_distributions (`bool`, *optional*): return `loc_S`/`scale_S` (and `logits`); by default not in a
                 training step with labels, which takes the fused path (same loss and gradients, no `[B, S, V]`).
             generation_state (`CausalGenerationState`, *optional*): set by `generate`; the heads then run
-                in the generation mode at the positions `logits_to_keep` kept (the last one outside `traditional`
-                mode), and `logits` holds that mode's decision scores.
-            kwargs: to the backbone, but for `shift_labels`, `shift_numeric_labels` (context parallelism) and the
-                step's counts `num_items_in_batch`, `num_numbers_in_batch` (`Trainer`): `LossTargets.from_labels`.
+                in the generation mode at the positions `logits_to_keep` kept (the last one only in a mode that draws
+                anew at every step), and `loc_S` (= `logits`), `scale_S`, `loc_Y`, `scale_Y` are that mode's.
+            shift_labels (`torch.LongTensor` of shape `(B, S)`, *optional*, a keyword in `kwargs` as in Qwen2):
+                Targets already shifted (`shift_labels[:, i]` is the target of position i), as context-parallel
+                training passes them (Trainer, accelerate; transformers' `ForCausalLMLoss` takes them alike): the loss
+                is computed from them instead of from the shift of `labels`.
+            shift_numeric_labels (`torch.Tensor` of shape `(B, S)`, *optional*, a keyword in `kwargs`):
+                The values of `shift_labels`, already shifted. By default `numeric_labels` (or `numeric_values`) is
+                shifted like the labels, which cannot give the value of the last position's target: a `<NUM>` target
+                there needs `shift_numeric_labels`.
+            num_items_in_batch, num_numbers_in_batch (*optional*, keywords in `kwargs`): the counts of labelled
+                positions and of `<NUM>` targets over the optimizer step's micro-batches and devices, which
+                `Trainer` (the first) and `CausalQwenTrainer` (both) pass; see `loss.causal_qwen_loss`.
+
+        Returns:
+            [`CausalQwenOutput`].
         """
         # Keywords, not parameters: Trainer takes each forward parameter named "*label*" for a label it must be given.
         loss_kwargs = {name: kwargs.pop(name, None) for name in _LOSS_KEYWORDS}
@@ -565,8 +578,8 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
             context = self.abduction.read_context(new_states, input_ids, numeric_values, index[..., 0], cache)
 
         if generation_state is not None:
-            logits, distributions = generation_state.decide(self.action, loc_u, scale_u, context)
-            heads = CausalQwenActionOutput(**distributions)
+            heads = CausalQwenActionOutput(**generation_state.decide(self.action, loc_u, scale_u, context))
+            logits = heads.loc_S  # the mode's own scores reach the loop as scores (generation.DecisionScores)
             rows = logits.shape[1]  # the positions the mode decided
             loc_u, scale_u = loc_u[:, -rows:], scale_u[:, -rows:]
         else:

@@ -30,7 +30,7 @@ from transformers.utils import logging
 from .checks import check_positive_finite
 from .labels import IGNORE_INDEX, next_token_targets
 from .pairing import check_tokenizer_matches
-from .value_head import NotEnoughNumbersError, fit_value_head, refit_value_readout
+from .starts import NotEnoughNumbersError, fit_value_head, refit_value_readout
 
 __all__ = ["CausalQwenTrainer", "LEARNING_RATE_SCALES", "ValueHeadStartCallback", "parameter_groups",
            "readout_parameters"]

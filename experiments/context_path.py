@@ -29,7 +29,7 @@ import run_experiment as experiment  # noqa: E402
 
 from causal_qwen import CausalQwenTokenizer  # noqa: E402
 from causal_qwen.data import CausalQwenDataCollator, tokenize_examples  # noqa: E402
-from causal_qwen.value_head import fit_value_head  # noqa: E402
+from causal_qwen.starts import fit_value_head  # noqa: E402
 
 SPLITS = ("test", "real_test", "extrapolation")
 

@@ -42,7 +42,7 @@ import run_experiment as experiment  # noqa: E402
 from causal_qwen import CausalQwenTokenizer  # noqa: E402
 from causal_qwen.cauchy import transform_values, untransform_values  # noqa: E402
 from causal_qwen.data.collator import CausalQwenDataCollator  # noqa: E402
-from causal_qwen.value_head import ridge_readout  # noqa: E402
+from causal_qwen.starts import ridge_readout  # noqa: E402
 
 
 @dataclass

@@ -42,11 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_experiment as experiment  # noqa: E402
 
 from causal_qwen import CausalQwenTokenizer  # noqa: E402
-from causal_qwen import value_head as value_head_module  # noqa: E402
+from causal_qwen import starts as starts_module  # noqa: E402
 from causal_qwen.data import CausalQwenDataCollator, NumericExample, real_splits, tokenize_examples  # noqa: E402
 from causal_qwen.labels import next_token_targets  # noqa: E402
+from causal_qwen.starts import refit_value_readout  # noqa: E402
 from causal_qwen.training import LEARNING_RATE_SCALES, CausalQwenTrainer  # noqa: E402
-from causal_qwen.value_head import refit_value_readout  # noqa: E402
 
 ARMS = ("old", "low rate", "refit", "default")
 
@@ -188,14 +188,14 @@ def main() -> None:
             refit_value_readout=arm in ("refit", "default"), callbacks=[curve])
         if arm == "refit":
             release_readout(trainer)
-        original = value_head_module.known_next_tokens
+        original = starts_module.known_next_tokens
         if arm == "old":
-            value_head_module.known_next_tokens = labelled_next_tokens
+            starts_module.known_next_tokens = labelled_next_tokens
         try:
             model.train()
             trainer.train()
         finally:
-            value_head_module.known_next_tokens = original
+            starts_module.known_next_tokens = original
         last = curve.points[-1]
         # The evaluation at the last step saw the model as it ends (refitted first where the arm refits).
         value = ({k: v for k, v in last.items() if k != "step"} if last["step"] == trainer.state.global_step

@@ -8,7 +8,7 @@ weight held, in two ways:
   penalty on Δw in standardised features (L-BFGS, float64);
 - **argmax**: logistic regression of "the next token is `<NUM>`" on loc_U and the margin by which `<NUM>` must
   rise to have the largest P_k, which targets standard mode's decision directly: the library's start
-  (`causal_qwen.value_head.num_decision_start`).
+  (`causal_qwen.starts.num_decision_start`).
 
 It prints precision, recall and F1 of "`<NUM>` has the largest P_k" (at the changed row, whose |w| also changes the
 `<NUM>` scale) on the evaluation splits for the bias-only start (the offset of least `<NUM>` loss, what the start
@@ -31,7 +31,7 @@ import run_experiment as experiment  # noqa: E402
 
 from causal_qwen import CausalQwenTokenizer  # noqa: E402
 from causal_qwen.cauchy import linear, ovr_log_probs  # noqa: E402
-from causal_qwen.value_head import num_decision_start  # noqa: E402
+from causal_qwen.starts import num_decision_start  # noqa: E402
 
 
 def fit_own_loss(r: dict, row: torch.Tensor, bias: float, threshold: float, penalty: float):

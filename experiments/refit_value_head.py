@@ -22,7 +22,7 @@ import run_experiment as experiment  # noqa: E402
 
 from causal_qwen import CausalQwenForCausalLM, CausalQwenTokenizer  # noqa: E402
 from causal_qwen.data.collator import CausalQwenDataCollator  # noqa: E402
-from causal_qwen.value_head import fit_value_head  # noqa: E402
+from causal_qwen.starts import fit_value_head  # noqa: E402
 
 
 def report(tag: str, model, tokenizer, data: dict, batch_size: int) -> None:

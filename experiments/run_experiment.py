@@ -67,8 +67,8 @@ from causal_qwen.labels import IGNORE_INDEX
 from causal_qwen.metrics import FIELDS, evaluate, point_errors
 from causal_qwen.numbers import find_numbers
 from causal_qwen.plots import plot_loss_curves, plot_predictions
+from causal_qwen.starts import fit_value_head
 from causal_qwen.training import LEARNING_RATE_SCALES, CausalQwenTrainer
-from causal_qwen.value_head import fit_value_head
 
 QWEN_DIR = Path(os.environ.get("CAUSAL_QWEN_QWEN25_DIR", Path.home() / ".cache" / "causal_qwen" / "qwen2.5-0.5b"))
 NTL_WEIGHT = 0.3  # CE + 0.3·NTL, as the ntloss authors recommend

@@ -26,7 +26,7 @@ import run_experiment as experiment  # noqa: E402
 
 from causal_qwen import CausalQwenTokenizer  # noqa: E402
 from causal_qwen.data.collator import CausalQwenDataCollator  # noqa: E402
-from causal_qwen.value_head import fit_value_head  # noqa: E402
+from causal_qwen.starts import fit_value_head  # noqa: E402
 
 
 def main() -> None:

@@ -153,6 +153,38 @@ def test_option_check_and_generate_share_one_rule(tiny_qwen):
         model.generate(torch.tensor([[1, 2]]), mode="causal", shared_noise=True, max_new_tokens=1)
 
 
+def test_a_mode_is_one_rule_that_generate_the_checks_and_the_command_read(tiny_qwen, monkeypatch, capsys):
+    from causal_qwen.generation_modes import DECISION_RULES, StandardRule
+
+    class Halved(StandardRule):
+        name = "halved"
+        summary = "standard mode's margins, halved"
+        shared_option = None
+
+        def scores(self, action, loc_s, scale_s):
+            return action.margin(loc_s, scale_s) / 2
+
+    monkeypatch.setitem(DECISION_RULES, "halved", Halved())
+    parser = build_parser()
+    check_arguments(parser, parser.parse_args(["generate", "M", "p", "--mode", "halved"]))
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "halved: standard mode's margins, halved" in " ".join(capsys.readouterr().out.split())
+    model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=120).eval()
+    options = dict(max_new_tokens=4, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    ids = torch.tensor([[1, 2, 3]])
+    halved = model.generate(ids, mode="halved", **options)
+    standard = model.generate(ids, mode="standard", **options)
+    assert torch.equal(halved.sequences, standard.sequences)
+    torch.testing.assert_close(torch.stack(halved.scores), torch.stack(standard.scores) / 2)
+    torch.testing.assert_close(torch.stack(halved.logits), torch.stack(standard.logits))
+    # Its properties reach the checks: no beam search without a softmax, no sampling.
+    with pytest.raises(ValueError, match="num_beams=2 needs mode='traditional', got 'halved'"):
+        model.generate(ids, mode="halved", num_beams=2, max_new_tokens=2)
+    with pytest.raises(ValueError, match="do_sample"):
+        model.generate(ids, mode="halved", do_sample=True, max_new_tokens=2)
+
+
 @pytest.mark.parametrize(("max_steps", "batch_size", "eval_steps", "eval_examples", "expected"), [
     (10, 8, None, None, (10, 80)),  # default: one evaluation, at most as many examples as training sees
     (10, 8, 2, None, (2, 16)),  # five evaluations share the training's 80 examples

@@ -252,7 +252,7 @@ def _repeat_error(model, batches) -> float:
 
 
 def test_the_start_from_data_fits_the_path_to_copy(tiny_qwen):
-    from causal_qwen.value_head import fit_value_head, refit_value_readout
+    from causal_qwen.starts import fit_value_head, refit_value_readout
 
     results = {}
     for on in (False, True):

@@ -125,6 +125,56 @@ def test_shared_noise_uses_one_noise_draw_per_sequence(model):
     assert torch.equal(out.sequences[:, start:], p[:, start - 1:-1].argmax(-1))
 
 
+def independent_decision(model, full, mode, eps=None):
+    """loc_S, scale_S of a mode in float64 from a full forward's U (causal: for the individual of ε)."""
+    loc_u, scale_u = full.loc_U.double(), full.scale_U.double()
+    if mode == "causal":
+        loc_u = loc_u + scale_u * torch.tan(math.pi * (eps.double() - 0.5)).unsqueeze(1)
+        scale_u = torch.zeros_like(scale_u)
+    w, b = model.action.cls_head.weight.double(), model.action.cls_head.bias.double()
+    scale_s = ((scale_u + model.action.b_noise.double().abs()) @ w.abs().T).clamp(min=model.config.scale_min)
+    return loc_u @ w.T + b, scale_s
+
+
+@pytest.mark.parametrize("mode", ["standard", "causal", "traditional"])
+def test_output_logits_are_loc_s_and_output_scores_what_the_mode_ranks(model, mode):
+    ids, mask = left_padded_batch()
+    shared = dict(shared_individual=True) if mode == "causal" else {}
+    out = gen(model, ids, mask, seed=11, mode=mode, output_logits=True, output_scores=True, **shared)
+    full = full_forward(model, out, mask)
+    loc_s, scale_s = independent_decision(model, full, mode, torch.rand((3, 32), generator=torch.Generator()
+                                                                      .manual_seed(11)))
+    steps = slice(ids.shape[1] - 1, -1)
+    logits, scores = torch.stack(out.logits, 1).double(), torch.stack(out.scores, 1).double()
+    torch.testing.assert_close(logits, loc_s[:, steps], rtol=1e-4, atol=1e-4)
+    if mode != "causal":  # the model's own forward at each step (causal mode's loc_S is the individual's)
+        torch.testing.assert_close(logits, full.loc_S[:, steps].double(), rtol=1e-4, atol=1e-4)
+    expected = loc_s if mode == "traditional" else (loc_s - 0.3) / scale_s
+    torch.testing.assert_close(scores, expected[:, steps], rtol=1e-4, atol=1e-3)
+    assert torch.equal(out.sequences[:, ids.shape[1]:], scores.argmax(-1))
+
+
+@pytest.mark.parametrize("mode", ["standard", "traditional"])
+def test_a_logits_processor_sees_the_scores_the_mode_ranks(model, mode):
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    seen = []
+
+    class Record(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            seen.append(scores.clone())
+            return scores
+
+    ids, mask = left_padded_batch()
+    out = gen(model, ids, mask, mode=mode, output_logits=True, logits_processor=LogitsProcessorList([Record()]))
+    loc_s, scale_s = independent_decision(model, full_forward(model, out, mask), mode)
+    expected = loc_s if mode == "traditional" else (loc_s - 0.3) / scale_s
+    steps = slice(ids.shape[1] - 1, -1)
+    torch.testing.assert_close(torch.stack(seen, 1).double(), expected[:, steps], rtol=1e-4, atol=1e-3)
+    if mode == "standard":
+        assert not torch.allclose(torch.stack(seen, 1), torch.stack(out.logits, 1), atol=1e-2)
+
+
 def test_seeds_reproduce_and_differ(model):
     ids, mask = left_padded_batch()
     for options in (dict(mode="causal"), dict(mode="traditional", do_sample=True)):
@@ -493,15 +543,24 @@ def test_assisted_decoding_with_numbers_equals_greedy(model, assistant, mode):
 
 
 def test_assisted_decoding_without_a_mode_is_the_default_greedy_mode(model):
-    # Standard mode's scores are the OvR margins, traditional mode's loc_S: the logits say which mode ran.
+    # Standard mode's scores are the OvR margins, traditional mode's loc_S: the scores say which mode ran, while the
+    # logits are loc_S in both.
     ids = left_padded_batch()[0][:1]
-    options = dict(max_new_tokens=6, pad_token_id=PAD, return_dict_in_generate=True, output_logits=True)
+    options = dict(max_new_tokens=6, pad_token_id=PAD, return_dict_in_generate=True, output_logits=True,
+                   output_scores=True)
     standard = model.generate(ids, **options)
     traditional = model.generate(ids, mode="traditional", **options)
     got = model.generate(ids, assistant_model=model, **options)
     assert torch.equal(got.sequences, standard.sequences)
+    torch.testing.assert_close(torch.cat(got.scores), torch.cat(standard.scores), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(torch.cat(standard.scores), torch.cat(traditional.scores), atol=1e-2)
     torch.testing.assert_close(torch.cat(got.logits), torch.cat(standard.logits), rtol=1e-4, atol=1e-4)
-    assert not torch.allclose(torch.cat(standard.logits), torch.cat(traditional.logits), atol=1e-2)
+    # The first step reads the same prompt in both modes: the same loc_S, whatever the mode ranks.
+    torch.testing.assert_close(standard.logits[0], traditional.logits[0], rtol=1e-5, atol=1e-6)
+    full = model(standard.sequences)
+    start = ids.shape[1]
+    margins = (full.loc_S.double() - 0.3) / full.scale_S.double()
+    torch.testing.assert_close(torch.stack(got.scores, 1).double(), margins[:, start - 1:-1], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("assistant", ["causal_qwen", "prompt_lookup"])

@@ -11,8 +11,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from causal_qwen import CausalQwenForCausalLM
 from causal_qwen.cauchy import symlog
 from causal_qwen.data.collator import CausalQwenDataCollator
+from causal_qwen.starts import fit_value_head, known_next_tokens, ridge_readout
 from causal_qwen.training import CausalQwenTrainer, ValueHeadStartCallback
-from causal_qwen.value_head import fit_value_head, known_next_tokens, ridge_readout
 
 
 def fresh(tiny_qwen) -> CausalQwenForCausalLM:

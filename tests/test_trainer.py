@@ -183,7 +183,7 @@ def test_one_adam_step_moves_each_module_by_its_rate(tiny_qwen, tmp_path):
     model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM, ovr_threshold=1.0, abduction_scale_init=0.1,
                                             learnable_threshold=True)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    # Without the value-head start, which would set the value head before the step (tests/test_value_head.py).
+    # Without the value-head start, which would set the value head before the step (tests/test_starts.py).
     trainer = one_rate_trainer(model, tmp_path, lr=1e-3, value_head_start=False)
     trainer.train()
     assert trainer.state.global_step == 1

@@ -407,6 +407,7 @@ class CausalQwenForVLLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The scores vLLM samples from, per request's mode; records the value predicted for each request."""
         from ..generation import _MAX_VALUE, shortest_float32
+        from ..generation_modes import DECISION_RULES
 
         loc_u, scale_u = self.abduction(hidden_states)
         loc_in, scale_in = self.action.head_inputs(loc_u, scale_u)
@@ -418,7 +419,7 @@ class CausalQwenForVLLM(nn.Module):
         if standard:
             rows = torch.tensor(standard, device=hidden_states.device)
             std_loc, std_scale = self.action.classify(loc_in[rows], scale_in[rows])
-            logits[rows] = self.action.margin(std_loc, std_scale)
+            logits[rows] = DECISION_RULES["standard"].scores(self.action, std_loc, std_scale)
         last = self.batch.last_positions
         if self.action.reg_head is not None and last is not None and len(last) == hidden_states.shape[0]:
             loc_y, scale_y = self.action.regress(loc_in, scale_in)

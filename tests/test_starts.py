@@ -1,4 +1,4 @@
-"""The value head's start from data: ridge read-out, leave-one-out choice, γ_Y, the trainer's hook, the defaults."""
+"""Starts from data: the value head's ridge read-out, leave-one-out choice, γ_Y, the <NUM> row, the trainer's hook."""
 
 import math
 
@@ -11,8 +11,8 @@ from transformers import Trainer, TrainingArguments
 from causal_qwen import CausalQwenForCausalLM
 from causal_qwen.cauchy import symlog
 from causal_qwen.data.collator import CausalQwenDataCollator
+from causal_qwen.starts import fit_value_head, num_decision_start, ridge_readout
 from causal_qwen.training import CausalQwenTrainer
-from causal_qwen.value_head import fit_value_head, num_decision_start, ridge_readout
 
 
 def _numpy_ridge(x: np.ndarray, y: np.ndarray, penalty: float, scaling=None) -> tuple[np.ndarray, float]:

@@ -1,4 +1,7 @@
-"""Start the value head from data: a least-squares read-out of loc_U, fitted before the first optimizer step.
+"""Starts from data of the heads in `model.action`, fitted before the first optimizer step.
+
+One pass over the data starts two things: the value head, as a least-squares read-out of loc_U, and the `<NUM>`
+row of the classification head, as a probe of the same loc_U (below).
 
 With a frozen backbone the regression head is a linear read-out of loc_U, whose few dimensions of huge variance
 (|z| above 100 in Qwen2.5) dominate every Adam step: at rates that keep Qwen's logits intact the head needs
