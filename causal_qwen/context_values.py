@@ -155,6 +155,8 @@ class CausalQwenContextValues(nn.Module):
             new = new + before
             if not isinstance(layer, StaticLayer):  # a static cache keeps its shapes for a compiled forward
                 keys, entries, key_positions = _numbers_only(keys, entries)
+        elif torch.compiler.is_compiling():  # a traced graph (export, compile) keeps every position: no data shapes
+            key_positions = new[None]
         else:
             keys, entries, key_positions = _numbers_only(keys, entries)
         query_positions = new[query_index]

@@ -77,6 +77,8 @@ def convert_qwen(
         )
     vocab_size = base_vocab + 1 if num_token_id == base_vocab else base_vocab
 
+    # New conversions read the context's values (docs/design.md §1b); a model without numbers has none to read.
+    config_overrides.setdefault("context_values", use_numeric)
     config = _causal_config_from(source.config, vocab_size=vocab_size, num_token_id=num_token_id,
                                  overrides={**config_overrides, "conversion_seed": seed})
     with torch.device(source.device), _global_rng_kept(source.device):

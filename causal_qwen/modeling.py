@@ -593,7 +593,8 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
                 # sharding engine it is in it already, and its parameters are not read outside its forward.
                 heads.loss = heads.loss + keep_in_graph(self.numeric_embedding)
             if has_targets and context is not None:
-                heads.loss = heads.loss + context.in_graph  # the path's layers, for a batch without a value term
+                # The path's layers, for a batch without a value term.
+                heads.loss = heads.loss + context.in_graph.to(heads.loss.dtype)
 
         return CausalQwenOutput(
             loss=heads.loss, cls_loss=heads.cls_loss, reg_loss=heads.reg_loss, logits=logits, loc_S=heads.loc_S,

@@ -423,6 +423,11 @@ def refit_value_readout(
     (docs/experiments.md). `CausalQwenTrainer` therefore holds the read-out out of the optimizer and calls this before
     every evaluation and checkpoint and at the end of training ([`ValueHeadStartCallback`]). The `<NUM>` decision
     and `config.value_head_fit` (the record of the start) are left as they are.
+
+    With the context-value path (docs/design.md §1b), the read-out is fitted on the rows where the path weighs it at
+    least ½, and the path is fitted again after it (`context_start.fit_context_values`): like the read-out, its
+    small, precise weights on the backbone's features do not survive Adam's per-coordinate steps, so training holds
+    it out of the optimizer with the read-out.
     """
     rows = _read_rows_in_eval(model, batches, max_positions, 0, "refit_value_readout")
     x, y = rows.x, rows.y
@@ -433,8 +438,11 @@ def refit_value_readout(
         if int(served.sum()) >= 3:
             x, y = x[served[:len(x)]], y[served[:len(y)]]
     penalty, error, noise = _write_readout(model, x, y, penalties)
+    path = {}
+    if rows.context is not None:
+        path = fit_context_values(model, rows.context, rows.x, rows.x_scale, rows.y)
     return ValueHeadFit(positions=int(x.shape[0]), penalty=penalty, loo_median_abs_error=error,
-                        regression_noise=noise)
+                        regression_noise=noise, **path)
 
 
 @torch.no_grad()
@@ -477,9 +485,9 @@ def fit_value_head(
                               "fit_value_head")
     action = model.action
     penalty, error, noise = _write_readout(model, rows.x, rows.y, penalties)
-    decision = {}
+    decision, path = {}, {}
     if rows.context is not None:
-        decision.update(fit_context_values(model, rows.context, rows.x, rows.x_scale, rows.y))
+        path = fit_context_values(model, rows.context, rows.x, rows.x_scale, rows.y)
     if num_row:
         num_id = model.config.num_token_id
         row = action.cls_head.weight[num_id]
@@ -493,6 +501,6 @@ def fit_value_head(
         row += delta_w.to(row)
         action.cls_head.bias[num_id] += delta_b
     fit = ValueHeadFit(positions=int(rows.x.shape[0]), penalty=penalty, loo_median_abs_error=error,
-                       regression_noise=noise, **decision)
+                       regression_noise=noise, **decision, **path)
     model.config.value_head_fit = fit.to_dict()
     return fit

@@ -142,11 +142,13 @@ _READOUT = (("action", "reg_head", "weight"), ("action", "reg_head", "bias"), ("
 
 
 def readout_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The value read-out's parameters (`w_reg`, `b_reg`, γ_Y's `reg_log_noise`) that train, through PEFT's
-    `modules_to_save` wrapping and `torch.compile`; PEFT's frozen originals are left out."""
+    """The value read-out's parameters (`w_reg`, `b_reg`, γ_Y's `reg_log_noise`, and the context-value path's) that
+    train, through PEFT's `modules_to_save` wrapping and `torch.compile`; PEFT's frozen originals are left out."""
     def is_readout(name: str) -> bool:
         parts = tuple(_components(name))
-        return any(parts[-len(key):] == key for key in _READOUT)
+        # The context-value path (docs/design.md §1b) is started and refitted with the read-out, not trained by Adam.
+        in_path = any(parts[i:i + 2] == ("abduction", "context_values") for i in range(len(parts)))
+        return in_path or any(parts[-len(key):] == key for key in _READOUT)
 
     return [param for name, param in model.named_parameters() if param.requires_grad and is_readout(name)]
 
@@ -295,7 +297,9 @@ def _broadcast_readout(model) -> None:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
     action = model.action
-    for param in (action.reg_head.weight, action.reg_head.bias, action.reg_log_noise):
+    path = getattr(model.abduction, "context_values", None)
+    for param in (action.reg_head.weight, action.reg_head.bias, action.reg_log_noise,
+                  *(path.parameters() if path is not None else ())):
         if param is not None:
             torch.distributed.broadcast(param.data, src=0)
 

@@ -15,8 +15,10 @@ from causal_qwen.starts import fit_value_head, known_next_tokens, ridge_readout
 from causal_qwen.training import CausalQwenTrainer, ValueHeadStartCallback
 
 
-def fresh(tiny_qwen) -> CausalQwenForCausalLM:
-    return CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM, ovr_threshold=1.0, abduction_scale_init=0.1)
+def fresh(tiny_qwen, context_values: bool = False) -> CausalQwenForCausalLM:
+    """The model of the linear read-out alone by default (the context-value path has a test of its own below)."""
+    return CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM, ovr_threshold=1.0, abduction_scale_init=0.1,
+                                           context_values=context_values)
 
 
 def related(n: int, seed: int) -> list[dict]:
@@ -99,6 +101,43 @@ def test_training_from_the_start_does_not_raise_the_held_out_value_loss(tiny_qwe
     assert model.action.reg_head.weight.requires_grad and model.action.reg_log_noise.requires_grad
     with pytest.raises(TypeError, match="refit_value_readout"):
         CausalQwenTrainer(model=model, args=args(tmp_path, 1), train_dataset=train, refit_value_readout="yes")
+
+
+@torch.no_grad()
+def model_value_nll(model, data: list[dict]) -> float:
+    """Mean Cauchy NLL of the true next value (symlog space) under the model's own loc_Y, scale_Y at the labelled
+    <NUM> targets: with the context-value path, the value the model predicts."""
+    batch = CausalQwenDataCollator(0)(data)
+    was_training = model.training
+    model.eval()
+    out = model(batch["input_ids"], numeric_values=batch["numeric_values"], attention_mask=batch["attention_mask"])
+    model.train(was_training)
+    where = batch["labels"][:, 1:] == NUM
+    loc, scale = out.loc_Y[:, :-1][where].double(), out.scale_Y[:, :-1][where].double()
+    y = symlog(batch["numeric_values"][:, 1:][where].double())
+    return (torch.log(math.pi * scale) + torch.log1p(((y - loc) / scale) ** 2)).mean().item()
+
+
+def test_training_with_the_context_path_keeps_the_start(tiny_qwen, tmp_path):
+    """The path (docs/design.md §1b) is held out of the optimizer with the read-out and refitted with it: after
+    training with the defaults the model's held-out value NLL is no worse than right after the start."""
+    train, held_out = related(256, seed=1), related(64, seed=2)
+    model = fresh(tiny_qwen, context_values=True)
+    at_start = {}
+
+    class Start(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            at_start.setdefault("nll", model_value_nll(model, held_out))
+
+    trainer = CausalQwenTrainer(model=model, args=args(tmp_path, 24), train_dataset=train,
+                                data_collator=CausalQwenDataCollator(0), callbacks=[Start()])
+    path = set(map(id, model.abduction.context_values.parameters()))
+    assert path <= {id(p) for p in trainer.value_head_start._held}
+    trainer.train()
+    assert not path & {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    fit = model.config.value_head_fit
+    assert fit["context_step"] > 0 and fit["context_nll"] < fit["context_nll_linear"], fit
+    assert model_value_nll(model, held_out) <= at_start["nll"]
 
 
 def test_evaluations_and_checkpoints_see_the_refitted_readout_and_resume_keeps_it(tiny_qwen, tmp_path):
