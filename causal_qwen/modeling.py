@@ -624,6 +624,8 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
             raise ValueError(f"anchor_weight must be a non-negative number, got {anchor_weight}")
         self.requires_grad_(False)
         self.abduction.requires_grad_(True)
+        if self.abduction.context_values is not None:  # started and refitted from data, not trained (§1b)
+            self.abduction.context_values.requires_grad_(False)
         if anchor_weight == 0:
             self.abduction_anchor = None
         elif self.abduction_anchor is None or reset_anchor:

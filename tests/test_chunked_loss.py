@@ -360,9 +360,11 @@ def test_second_backward_through_the_same_graph_raises():
 
 
 def test_model_loss_through_the_chunked_path(tiny_qwen):
-    """On a tiny CausalQwen: the model's loss equals the chunked loss on its loc_U, scale_U, gradients included."""
+    """On a tiny CausalQwen: the model's loss equals the chunked loss on its loc_U, scale_U, gradients included.
+
+    Without the context-value path, whose read the action network would take besides loc_U and scale_U."""
     model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=120, learnable_threshold=True, gate_alpha=0.2,
-                                            ovr_threshold=0.5, abduction_scale_init=0.5).train()
+                                            ovr_threshold=0.5, abduction_scale_init=0.5, context_values=False).train()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if not name.startswith("model."):

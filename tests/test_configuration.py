@@ -210,7 +210,7 @@ def test_an_edit_of_the_config_reaches_the_live_model_or_is_refused(tmp_path, ti
     copied.config.ovr_threshold = 3.0
     assert copied.action.threshold[0].item() == 3.0 and model.action.threshold[0].item() == 20.0
     free = copy.deepcopy(model.config)
-    free.use_numeric, free.regression_noise = False, 0.0
+    free.use_numeric, free.regression_noise, free.context_values = False, 0.0, False
     assert not CausalQwenForCausalLM(free).config.use_numeric
 
 

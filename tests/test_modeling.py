@@ -116,7 +116,8 @@ def test_w_num_drawn_with_the_embedding_std(tiny_qwen):
 
 
 def test_heads_equal_their_formulas(tiny_qwen):
-    model = build(tiny_qwen)
+    # The linear law of docs/design.md §1; the context-value path's formula is tested in test_context_values.py.
+    model = build(tiny_qwen, context_values=False)
     randomize_heads(model)
     ids = torch.randint(0, 100, (2, 6))
     with torch.no_grad():
@@ -474,7 +475,7 @@ def test_regression_noise_adds_a_learnable_value_scale(tiny_qwen, tmp_path):
     # docs/design.md §1 revision 2: γ_Y > 0 by default (1.0 until the value head is fitted); 0 is the seeds' model.
     assert build(tiny_qwen).action.reg_log_noise.item() == 0.0
     assert build(tiny_qwen, regression_noise=0.0).action.reg_log_noise is None
-    model = build(tiny_qwen, regression_noise=0.7)
+    model = build(tiny_qwen, regression_noise=0.7, context_values=False)  # the linear law's scale_Y
     assert model.action.reg_log_noise.item() == pytest.approx(math.log(0.7))
     randomize_heads(model)
     ids = torch.randint(0, 100, (2, 6))
@@ -600,7 +601,9 @@ def test_conversion_is_deterministic_and_leaves_the_global_rng_alone(tiny_qwen, 
 def test_conversion_seed_changes_only_the_drawn_weights(tiny_qwen, tmp_path):
     base, other = build(tiny_qwen), build(tiny_qwen, seed=7)
     sa, sb = base.state_dict(), other.state_dict()
-    assert {k for k in sa if not torch.equal(sa[k], sb[k])} == {"numeric_embedding.w_num", "action.reg_head.weight"}
+    assert {k for k in sa if not torch.equal(sa[k], sb[k])} == {
+        "numeric_embedding.w_num", "action.reg_head.weight",
+        "abduction.context_values.query.weight", "abduction.context_values.key.weight"}
     assert other.config.conversion_seed == 7
     assert_same_weights(other, build(tiny_qwen, seed=7))
     # w_reg: small normal draws with Qwen2's initializer_range, b_reg = 0 (docs/design.md §3.4).
@@ -859,4 +862,6 @@ def test_abduction_anchor_at_the_smallest_scales_gives_a_finite_loss_and_gradien
     model.abduction_anchor = anchor
     assert out.loss.item() == pytest.approx(plain.loss.item() + 32 * math.log(4 / 3), rel=1e-5)
     out.loss.backward()
-    assert all(torch.isfinite(p.grad).all() for p in model.abduction.parameters())
+    # Every parameter the fine-tuning trains (the context-value path is refitted, not trained: frozen here).
+    trained = [p for p in model.abduction.parameters() if p.requires_grad]
+    assert len(trained) == 4 and all(torch.isfinite(p.grad).all() for p in trained)
