@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cauchy import nll
-from .context_values import CausalQwenContextValues
+from .context_values import LINEAR_ONLY_SCORE, CausalQwenContextValues
 
 __all__ = ["ContextRows", "fit_context_values", "linear_weights"]
 
@@ -31,8 +31,6 @@ _DIMS = 64
 _STEPS = 300
 _LEARNING_RATE = 1e-2
 _HELD_OUT_EVERY = 5  # every fifth row is held out to choose the step
-# The linear read-out's score when the path does not help: every other candidate's weight is below e^-40.
-_LINEAR_ONLY_SCORE = 40.0
 
 
 @dataclass
@@ -121,7 +119,7 @@ def fit_context_values(model, rows: ContextRows, x: torch.Tensor, scale_u: torch
     small.reset_parameters(generator, keep_loaded=False)
     linear_only = copy.deepcopy(small)
     with torch.no_grad():
-        linear_only.choice.bias[0] = _LINEAR_ONLY_SCORE
+        linear_only.choice.bias[0] = LINEAR_ONLY_SCORE
         baseline = float(loss(linear_only, True))
     optimizer = torch.optim.Adam(small.parameters(), lr=_LEARNING_RATE)
     best = (baseline, None, 0)

@@ -38,6 +38,8 @@ from .cauchy import symexp, symlog, transform_values
 # read-out at 0, the two combinations well below it, so that a start from data moves them only where they help.
 CANDIDATES = ("linear", "log", "raw")
 _START_SCORES = (0.0, -4.0, -4.0)
+# The linear read-out's score where the path is to leave the value to it: every other candidate below e^-40.
+LINEAR_ONLY_SCORE = 40.0
 # A log-space combination beyond this is past float64's range once exponentiated.
 _MAX_LOG = 700.0
 
@@ -84,31 +86,43 @@ class CausalQwenContextValues(nn.Module):
         self.width = nn.Linear(hidden_size, 1)
         self.width_by_choice = nn.Parameter(torch.zeros(len(CANDIDATES) + 1))
 
-    def start_tensors(self, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    def start_tensors(
+        self, generator: torch.Generator | None = None, linear_only: bool = False
+    ) -> dict[str, torch.Tensor]:
         """The start of a new path, by parameter name: small copy scores, combinations of weight 0 whose gradient
         is not (a gain at 0 on both factors would be a saddle, so their queries start constant and their keys at
-        0), the linear read-out's score above the combinations', and ρ = 1. Random draws from `generator`."""
+        0), the linear read-out's score above the combinations', and ρ = 1. Random draws from `generator`.
+
+        With `linear_only` (a model's path before its start from data), the copy queries are 0 and the linear
+        read-out's score is 40 above every other, so that the value is the linear law's to within e^-40 until
+        `fit_value_head` fits the path."""
         r, hidden = self.rank, self.query.in_features
         tensors = {}
         for name in ("query", "key"):
             weight = torch.randn((3 * r, hidden), generator=generator, device="cpu") * hidden ** -0.5
             weight[r:] = 0.0
+            if linear_only and name == "query":
+                weight.zero_()
             tensors[f"{name}.weight"] = weight
         tensors["query.bias"] = torch.cat((torch.zeros(r), torch.full((2 * r,), r ** -0.5)))
         tensors["key.bias"] = torch.zeros(3 * r)
         tensors["choice.weight"] = torch.zeros(self.choice.weight.shape)
         tensors["choice.bias"] = torch.tensor(_START_SCORES)
+        if linear_only:
+            tensors["choice.bias"][0] = LINEAR_ONLY_SCORE
         tensors["width.weight"] = torch.zeros(self.width.weight.shape)
         tensors["width.bias"] = torch.zeros(1)
         tensors["width_by_choice"] = torch.zeros(len(CANDIDATES) + 1)
         return tensors
 
     @torch.no_grad()
-    def reset_parameters(self, generator: torch.Generator | None = None, *, keep_loaded: bool = True) -> None:
+    def reset_parameters(
+        self, generator: torch.Generator | None = None, *, keep_loaded: bool = True, linear_only: bool = False
+    ) -> None:
         """Write `start_tensors`; with `keep_loaded`, through transformers' init helpers, which leave a tensor
         loaded from a checkpoint as it is."""
         params = dict(self.named_parameters())
-        for name, tensor in self.start_tensors(generator).items():
+        for name, tensor in self.start_tensors(generator, linear_only).items():
             if keep_loaded:
                 init.copy_(params[name], tensor)
             else:

@@ -221,7 +221,7 @@ def _copy_qwen_weights(
         weight = model.action.reg_head.weight
         weight.copy_(_normal(weight.shape, model.config.initializer_range, generator))
     if model.abduction.context_values is not None:
-        model.abduction.context_values.reset_parameters(generator, keep_loaded=False)
+        model.abduction.context_values.reset_parameters(generator, keep_loaded=False, linear_only=True)
 
 
 def _normal(shape: torch.Size, std: float, generator: torch.Generator) -> torch.Tensor:

@@ -437,7 +437,7 @@ class CausalQwenPreTrainedModel(Qwen2PreTrainedModel):
             init.zeros_(module.weight)
             init.constant_(module.bias, inverse_softplus(config.abduction_scale_init))
         elif isinstance(module, CausalQwenContextValues):
-            module.reset_parameters()
+            module.reset_parameters(linear_only=True)
         elif any(module in a.context_values.children() for a in abductions if a.context_values is not None):
             pass  # the path's layers start with the path (above), not as generic Linear layers
         elif isinstance(module, CausalQwenNumericEmbedding):
