@@ -72,7 +72,8 @@ def _coordinates(queries: torch.Tensor, keys: torch.Tensor, present: torch.Tenso
     points = torch.cat((queries, keys[present])).double()
     mean = points.mean(0)
     _, s, vh = torch.linalg.svd(points - mean, full_matrices=False)
-    dims = min(dims, len(s))
+    # Directions of almost no variance on the rows would get huge weights in z, which reach far elsewhere.
+    dims = min(dims, int((s > 1e-4 * s[0]).sum()))
     scale = (s[:dims] / max(len(points) - 1, 1) ** 0.5).clamp(min=1e-9)
     return mean, vh[:dims].T / scale
 

@@ -42,6 +42,8 @@ _START_SCORES = (0.0, -4.0, -4.0)
 LINEAR_ONLY_SCORE = 40.0
 # A log-space combination beyond this is past float64's range once exponentiated.
 _MAX_LOG = 700.0
+# ρ stays within e^±40.
+_MAX_LOG_WIDTH = 40.0
 
 
 @dataclass
@@ -210,7 +212,9 @@ class CausalQwenContextValues(nn.Module):
         offset = offset + raw_weight * transform_values(raw_combination.squeeze(-1), value_transform)
         summary = torch.stack((linear, copies.sum(-1), log_weight, raw_weight), -1)
         raw_width = self.width(queries).double().squeeze(-1)
-        width = (raw_width + summary @ self.width_by_choice.double()).exp()
+        # Bounded: a width map fitted on the value rows can reach far past them at other positions, and exp of it
+        # would be inf there, with a NaN gradient through a loss that does not read those positions.
+        width = (raw_width + summary @ self.width_by_choice.double()).clamp(-_MAX_LOG_WIDTH, _MAX_LOG_WIDTH).exp()
         # Every layer's output (not its parameters: a sharding engine releases a layer's parameters once the layer
         # has run) times 0, so that a loss without a value term still reaches every parameter.
         in_graph = 0.0 * (q.sum() + choice.nan_to_num(neginf=0.0).sum() + raw_width.sum()

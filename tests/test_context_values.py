@@ -280,3 +280,16 @@ def test_a_text_only_training_batch_keeps_the_path_in_the_graph(model):
     out.loss.backward()
     for name, param in model.abduction.context_values.named_parameters():
         assert param.grad is not None and torch.equal(param.grad, torch.zeros_like(param)), name
+
+
+def test_a_far_width_gives_a_finite_value_and_gradient(model):
+    """A width map that reaches far past the rows it was fitted on: ρ is bounded (e^±40), so neither the value's
+    scale nor the gradient through positions the loss does not read becomes inf or NaN."""
+    model.train()
+    with torch.no_grad():
+        model.abduction.context_values.width.bias.fill_(1000.0)
+    ids, values = numbers_batch()
+    out = model(ids, numeric_values=values, labels=ids)
+    assert torch.isfinite(out.scale_Y).all() and torch.isfinite(out.loss)
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
