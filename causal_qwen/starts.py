@@ -39,6 +39,7 @@ import torch
 from .cauchy import linear, transform_values
 from .checks import check_positive_finite
 from .context_start import ContextRows, fit_context_values, linear_weights
+from .context_values import CausalQwenContextValues
 from .labels import IGNORE_INDEX, next_token_targets
 
 __all__ = ["NotEnoughNumbersError", "ValueHeadFit", "fit_value_head", "known_next_tokens", "num_decision_start",
@@ -147,8 +148,9 @@ def _read_rows(model, batches: Iterable[Mapping[str, torch.Tensor]], max_positio
     count = decided = 0
     context = ContextRows() if getattr(model.abduction, "context_values", None) is not None else None
     features = {}
-    hook = model.model.register_forward_hook(
-        lambda module, args, output: features.update(z=output.last_hidden_state)) if context is not None else None
+    # The features the path reads, from the path itself (through PEFT's wrappers, whichever copy the forward calls).
+    paths = [m for m in model.modules() if isinstance(m, CausalQwenContextValues)] if context is not None else []
+    hooks = [m.register_forward_pre_hook(lambda module, args: features.update(z=args[0])) for m in paths]
     try:
         for batch in batches:
             if _read_batch(model, batch, device, max_decision_positions - decided, (xs, ys, us, u_scales, rivals,
@@ -157,7 +159,7 @@ def _read_rows(model, batches: Iterable[Mapping[str, torch.Tensor]], max_positio
             if count >= max_positions and decided >= max_decision_positions:
                 break
     finally:
-        if hook is not None:
+        for hook in hooks:
             hook.remove()
     if not xs:
         raise NotEnoughNumbersError("batches hold no position whose label is <NUM>: there is nothing to fit the value "
