@@ -194,13 +194,15 @@ class CausalQwenAbduction(nn.Module):
         hidden_states: torch.Tensor,
         input_ids: torch.Tensor | None,
         numeric_values: torch.Tensor | None,
-        query_index: torch.Tensor,
+        logits_to_keep: int | torch.Tensor,
         cache: Cache | None = None,
     ) -> ContextRead | None:
-        """The read of the earlier `<NUM>` values (docs/design.md §1b) at the new positions `query_index`, or None
-        without the path. `hidden_states` `[B, S, H]` are the new positions' features."""
+        """The read of the earlier `<NUM>` values (docs/design.md §1b) at the new positions `logits_to_keep` keeps
+        (`keep_positions`), or None without the path. `hidden_states` `[B, S, H]` are the new positions' features."""
         if self.context_values is None:
             return None
+        positions = torch.arange(hidden_states.shape[1], device=hidden_states.device)[None, :, None]
+        query_index = keep_positions(positions, logits_to_keep)[..., 0]
         if input_ids is None:
             is_num = hidden_states.new_zeros(hidden_states.shape[:2], dtype=torch.bool)
         else:
@@ -312,8 +314,11 @@ class CausalQwenAction(nn.Module):
             losses = causal_qwen_loss(head, loc_y, scale_y, targets,
                                       loss_options or LossOptions.from_config(self.config), anchor)
             if self.training:
-                # Read here, in the module's own forward, where sharding engines have gathered the value head.
+                # Read here, in the module's own forward, where sharding engines have gathered the value head; and
+                # the context-value path's layers, for a batch without a value term.
                 losses.loss = losses.loss + keep_in_graph(self.reg_head, self.reg_log_noise)
+                if context is not None:
+                    losses.loss = losses.loss + context.in_graph.to(losses.loss.dtype)
         return CausalQwenActionOutput(
             loss=losses.loss if losses is not None else None,
             cls_loss=losses.cls_loss if losses is not None else None,
@@ -527,24 +532,13 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
                 loss is wanted.
             numeric_labels (`torch.Tensor` of shape `(B, S)`, *optional*): true values read where a label is
                 `<NUM>`; defaults to `numeric_values`.
-            logits_to_keep (`int` or `torch.Tensor`): compute the heads at these positions only (`generate` passes
-                1). Ignored when `labels` (or `shift_labels`) is given.
+            logits_to_keep (`int` or `torch.Tensor`): the positions whose heads are computed; ignored with labels.
             output_distributions (`bool`, *optional*): return `loc_S`/`scale_S` (and `logits`); by default not in a
                 training step with labels, which takes the fused path (same loss and gradients, no `[B, S, V]`).
-            generation_state (`CausalGenerationState`, *optional*): set by `generate`; the heads then run
-                in the generation mode at the positions `logits_to_keep` kept (the last one only in a mode that draws
-                anew at every step), and `loc_S` (= `logits`), `scale_S`, `loc_Y`, `scale_Y` are that mode's.
-            shift_labels (`torch.LongTensor` of shape `(B, S)`, *optional*, a keyword in `kwargs` as in Qwen2):
-                Targets already shifted (`shift_labels[:, i]` is the target of position i), as context-parallel
-                training passes them (Trainer, accelerate; transformers' `ForCausalLMLoss` takes them alike): the loss
-                is computed from them instead of from the shift of `labels`.
-            shift_numeric_labels (`torch.Tensor` of shape `(B, S)`, *optional*, a keyword in `kwargs`):
-                The values of `shift_labels`, already shifted. By default `numeric_labels` (or `numeric_values`) is
-                shifted like the labels, which cannot give the value of the last position's target: a `<NUM>` target
-                there needs `shift_numeric_labels`.
-            num_items_in_batch, num_numbers_in_batch (*optional*, keywords in `kwargs`): the counts of labelled
-                positions and of `<NUM>` targets over the optimizer step's micro-batches and devices, which
-                `Trainer` (the first) and `CausalQwenTrainer` (both) pass; see `loss.causal_qwen_loss`.
+            generation_state (`CausalGenerationState`, *optional*): set by `generate`; the heads then run in its mode
+                at the positions kept (`generation.ModeDecisions.decide`), and `loc_S` (= `logits`) etc. are the mode's.
+            kwargs: to the backbone, but for `shift_labels`, `shift_numeric_labels` (context parallelism) and the
+                step's counts `num_items_in_batch`, `num_numbers_in_batch` (`Trainer`): `LossTargets.from_labels`.
 
         Returns:
             [`CausalQwenOutput`].
@@ -571,44 +565,34 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
         kept = 0 if has_targets else logits_to_keep
         hidden_states = keep_positions(new_states, kept)
         loc_u, scale_u = self.abduction(hidden_states)
-        context = None
-        if self.abduction.context_values is not None:
-            index = keep_positions(torch.arange(new_states.shape[1], device=new_states.device)[None, :, None], kept)
-            cache = outputs.past_key_values if outputs.past_key_values is not None else past_key_values
-            context = self.abduction.read_context(new_states, input_ids, numeric_values, index[..., 0], cache)
+        cache = outputs.past_key_values if outputs.past_key_values is not None else past_key_values
+        context = self.abduction.read_context(new_states, input_ids, numeric_values, kept, cache)
 
         if generation_state is not None:
+            # The mode's own scores reach the loop as scores (generation.DecisionScores); logits stay its loc_S.
             heads = CausalQwenActionOutput(**generation_state.decide(self.action, loc_u, scale_u, context))
-            logits = heads.loc_S  # the mode's own scores reach the loop as scores (generation.DecisionScores)
-            rows = logits.shape[1]  # the positions the mode decided
-            loc_u, scale_u = loc_u[:, -rows:], scale_u[:, -rows:]
+            loc_u, scale_u = (t[:, -heads.loc_S.shape[1]:] for t in (loc_u, scale_u))  # the positions it decided
         else:
             # A training step needs only the loss: by default the fused path, which never builds the [B, S, V] head.
             full = output_distributions if output_distributions is not None else not (has_targets and self.training)
             anchor = self._anchor(hidden_states, loc_u, scale_u) if has_targets else None
             heads = self.action(loc_u, scale_u, targets, output_distributions=full, anchor=anchor, context=context)
-            logits = heads.loc_S
             if has_targets and self.training and not same_graph:
                 # A batch without numbers leaves the numeric embedding out of the graph (docs/design.md §4); under a
                 # sharding engine it is in it already, and its parameters are not read outside its forward.
                 heads.loss = heads.loss + keep_in_graph(self.numeric_embedding)
-            if has_targets and context is not None:
-                # The path's layers, for a batch without a value term.
-                heads.loss = heads.loss + context.in_graph.to(heads.loss.dtype)
 
         return CausalQwenOutput(
-            loss=heads.loss, cls_loss=heads.cls_loss, reg_loss=heads.reg_loss, logits=logits, loc_S=heads.loc_S,
+            loss=heads.loss, cls_loss=heads.cls_loss, reg_loss=heads.reg_loss, logits=heads.loc_S, loc_S=heads.loc_S,
             scale_S=heads.scale_S, loc_Y=heads.loc_Y, scale_Y=heads.scale_Y, loc_U=loc_u, scale_U=scale_u,
             past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
         )
 
     def _anchor(self, hidden_states: torch.Tensor, loc_u: torch.Tensor, scale_u: torch.Tensor) -> AnchorTerm | None:
         """U and U⁰ of the frozen abduction anchor, for the anchor term (docs/design.md §7); None without one."""
-        if self.abduction_anchor is None:
-            return None
         with torch.no_grad():
-            anchor_loc, anchor_scale = self.abduction_anchor(hidden_states)
-        return AnchorTerm(loc_u, scale_u, anchor_loc, anchor_scale)
+            anchor = self.abduction_anchor(hidden_states) if self.abduction_anchor is not None else None
+        return AnchorTerm(loc_u, scale_u, *anchor) if anchor is not None else None
 
     def enable_abduction_finetuning(self, anchor_weight: float = 1.0, reset_anchor: bool = False) -> None:
         """Train the abduction network only, anchored to where it starts (docs/design.md §7).
@@ -733,7 +717,6 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
 
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.action.cls_head = new_embeddings
-
 
     from_qwen = classmethod(convert_qwen)
 
