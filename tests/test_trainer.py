@@ -180,8 +180,10 @@ def test_trainer_weight_decay_spares_biases_and_one_rate_without_scales(model, t
 def test_one_adam_step_moves_each_module_by_its_rate(tiny_qwen, tmp_path):
     # Adam's first step moves every weight with a nonzero gradient by lr·g/(|g| + eps) ≈ lr, so the largest change of
     # each parameter is its rate. lr = 1e-3 keeps the abduction's 1e-5 well above float32 rounding of its weights.
+    # Without the context-value path: before its start from data it leaves the value to the linear law (weight
+    # e^-40), so its gradients are below Adam's eps and its first step is not lr.
     model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM, ovr_threshold=1.0, abduction_scale_init=0.1,
-                                            learnable_threshold=True)
+                                            learnable_threshold=True, context_values=False)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     # Without the value-head start, which would set the value head before the step (tests/test_starts.py).
     trainer = one_rate_trainer(model, tmp_path, lr=1e-3, value_head_start=False)
