@@ -80,7 +80,8 @@ def convert(target: str, dtype: str) -> None:
     from causal_qwen import CausalQwenForCausalLM, CausalQwenTokenizer
 
     tokenizer = CausalQwenTokenizer.from_pretrained(QWEN25_DIR)
-    model = CausalQwenForCausalLM.from_qwen(QWEN25_DIR, tokenizer=tokenizer, dtype=getattr(torch, dtype))
+    model = CausalQwenForCausalLM.from_qwen(QWEN25_DIR, tokenizer=tokenizer, dtype=getattr(torch, dtype),
+                                            context_values=False)  # the plugin does not serve the path
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
 

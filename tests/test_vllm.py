@@ -71,7 +71,7 @@ def tiny(tmp_path_factory):
     config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
                          tie_word_embeddings=False)
-    model = CausalQwenForCausalLM.from_qwen(Qwen2ForCausalLM(config), num_token_id=NUM).eval()
+    model = CausalQwenForCausalLM.from_qwen(Qwen2ForCausalLM(config), num_token_id=NUM, context_values=False).eval()
     with torch.no_grad():
         for bias in (0.1, 0.2, 0.25, 0.3, 0.4):
             model.action.cls_head.bias[NUM] += bias
@@ -240,7 +240,8 @@ def test_real_greedy_equals_the_library(mode, real_causal_qwen):
 def real_causal_qwen_folder(qwen25_dir, tmp_path_factory):
     """The real Qwen2.5-0.5B converted by from_qwen and saved with its tokenizer."""
     tokenizer = CausalQwenTokenizer.from_pretrained(qwen25_dir)
-    model = CausalQwenForCausalLM.from_qwen(qwen25_dir, tokenizer=tokenizer, dtype=torch.float32).eval()
+    model = CausalQwenForCausalLM.from_qwen(qwen25_dir, tokenizer=tokenizer, dtype=torch.float32,
+                                            context_values=False).eval()  # the plugin serves models without it
     path = tmp_path_factory.mktemp("causal_qwen_0.5b")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -262,7 +263,7 @@ def tiny_with_tokenizer(qwen25_dir, tmp_path_factory):
     config = Qwen2Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
                          tie_word_embeddings=False, eos_token_id=151645)
-    model = CausalQwenForCausalLM.from_qwen(Qwen2ForCausalLM(config), tokenizer=tokenizer).eval()
+    model = CausalQwenForCausalLM.from_qwen(Qwen2ForCausalLM(config), tokenizer=tokenizer, context_values=False).eval()
     path = tmp_path_factory.mktemp("tiny_served")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
