@@ -215,11 +215,13 @@ class CausalQwenContextValues(nn.Module):
         # Bounded: a width map fitted on the value rows can reach far past them at other positions, and exp of it
         # would be inf there, with a NaN gradient through a loss that does not read those positions.
         width = (raw_width + summary @ self.width_by_choice.double()).clamp(-_MAX_LOG_WIDTH, _MAX_LOG_WIDTH).exp()
-        # Every layer's output (not its parameters: a sharding engine releases a layer's parameters once the layer
-        # has run) times 0, so that a loss without a value term still reaches every parameter.
-        in_graph = 0.0 * (q.sum() + choice.nan_to_num(neginf=0.0).sum() + raw_width.sum()
-                          + self.width_by_choice.sum())
-        return ContextRead(linear, offset, width, in_graph)
+        read = ContextRead(linear, offset, width)
+        if self.training and torch.is_grad_enabled():
+            # Every layer's output (not its parameters: a sharding engine releases a layer's parameters once the
+            # layer has run) times 0, so that a loss without a value term still reaches every parameter.
+            read.in_graph = 0.0 * (q.sum() + choice.nan_to_num(neginf=0.0).sum() + raw_width.sum()
+                                   + self.width_by_choice.sum())
+        return read
 
 
 def _log_candidate(log_combination: torch.Tensor, transform: str) -> torch.Tensor:

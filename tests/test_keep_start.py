@@ -43,15 +43,22 @@ def args(tmp_path, steps: int, **kw) -> TrainingArguments:
 
 
 @torch.no_grad()
-def value_rows(model, data: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-    """loc_U where the next token is a labelled <NUM>, and symlog of its value: the rows of the read-out."""
+def eval_forward(model, data: list[dict]):
+    """The model's outputs on the collated texts in eval mode, the positions whose next label is <NUM>, and the
+    symlog of their next values."""
     batch = CausalQwenDataCollator(0)(data)
     was_training = model.training
     model.eval()
     out = model(batch["input_ids"], numeric_values=batch["numeric_values"], attention_mask=batch["attention_mask"])
     model.train(was_training)
     where = batch["labels"][:, 1:] == NUM
-    return out.loc_U[:, :-1][where].double(), symlog(batch["numeric_values"][:, 1:][where].double())
+    return out, where, symlog(batch["numeric_values"][:, 1:][where].double())
+
+
+def value_rows(model, data: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """loc_U where the next token is a labelled <NUM>, and symlog of its value: the rows of the read-out."""
+    out, where, y = eval_forward(model, data)
+    return out.loc_U[:, :-1][where].double(), y
 
 
 def assert_readout_is_the_ridge_of(model, data: list[dict]) -> None:
@@ -103,18 +110,11 @@ def test_training_from_the_start_does_not_raise_the_held_out_value_loss(tiny_qwe
         CausalQwenTrainer(model=model, args=args(tmp_path, 1), train_dataset=train, refit_value_readout="yes")
 
 
-@torch.no_grad()
 def model_value_nll(model, data: list[dict]) -> float:
     """Mean Cauchy NLL of the true next value (symlog space) under the model's own loc_Y, scale_Y at the labelled
     <NUM> targets: with the context-value path, the value the model predicts."""
-    batch = CausalQwenDataCollator(0)(data)
-    was_training = model.training
-    model.eval()
-    out = model(batch["input_ids"], numeric_values=batch["numeric_values"], attention_mask=batch["attention_mask"])
-    model.train(was_training)
-    where = batch["labels"][:, 1:] == NUM
+    out, where, y = eval_forward(model, data)
     loc, scale = out.loc_Y[:, :-1][where].double(), out.scale_Y[:, :-1][where].double()
-    y = symlog(batch["numeric_values"][:, 1:][where].double())
     return (torch.log(math.pi * scale) + torch.log1p(((y - loc) / scale) ** 2)).mean().item()
 
 
