@@ -22,7 +22,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 from vllm import LLM, SamplingParams, TokensPrompt  # noqa: E402
 from vllm.exceptions import VLLMValidationError  # noqa: E402
 
-from causal_qwen import CausalQwenConfig, CausalQwenForCausalLM, CausalQwenTokenizer  # noqa: E402
+from causal_qwen import CausalQwenForCausalLM, CausalQwenTokenizer  # noqa: E402
 from causal_qwen.integrations.vllm import KEY_ARG, generated_numbers, number_prompt  # noqa: E402
 
 NUM = 127
@@ -63,15 +63,34 @@ def _num_share(model, mode: str) -> float:
     return sum(t.count(NUM) for t in written) / sum(len(t) for t in written)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny CausalQwen converted from a seeded Qwen2, saved by save_pretrained, that writes <NUM> at some steps in
-    both modes (so that written values are fed back): the <NUM> bias and threshold are moved until it does."""
+def _copying_path(model) -> None:
+    """Give the context-value path a start that reads the earlier numbers: every weight small and random (so that
+    no term of the read is 0 by construction), the copy scores ten times larger, the linear read-out's score below
+    them, and the value's width ρ about e^-3 (a wide one makes the 90% interval's bounds exp(|y|) of a large |y|,
+    whose float32 rounding is then far above 1e-5 of the bound in either engine)."""
+    path = model.abduction.context_values
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in path.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+        path.query.weight[:path.rank] *= 10.0
+        path.key.weight[:path.rank] *= 10.0
+        path.choice.bias.copy_(torch.tensor([-2.0, -4.0, -4.0]))
+        path.width.weight *= 0.1
+        path.width.bias.fill_(-3.0)
+
+
+def _tiny_model(context_values: bool) -> CausalQwenForCausalLM:
+    """A tiny CausalQwen converted from a seeded Qwen2 that writes <NUM> at some steps in both modes (so that written
+    values are fed back): the <NUM> bias and threshold are moved until it does."""
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
                          tie_word_embeddings=False)
-    model = CausalQwenForCausalLM.from_qwen(Qwen2ForCausalLM(config), num_token_id=NUM, context_values=False).eval()
+    model = CausalQwenForCausalLM.from_qwen(Qwen2ForCausalLM(config), num_token_id=NUM, context_values=context_values,
+                                            context_values_rank=4).eval()
+    if context_values:
+        _copying_path(model)
     with torch.no_grad():
         for bias in (0.1, 0.2, 0.25, 0.3, 0.4):
             model.action.cls_head.bias[NUM] += bias
@@ -85,22 +104,44 @@ def tiny(tmp_path_factory):
                 break
     for mode in ("traditional", "standard"):
         assert 0.1 <= _num_share(model, mode) <= 0.6, f"the tiny model writes too few or too many <NUM> in {mode}"
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny CausalQwen with the context-value path (as `from_qwen` converts by default), whose path copies
+    earlier numbers, saved by save_pretrained."""
+    model = _tiny_model(context_values=True)
+    written = [library_greedy(model, ids, values, "standard")[1] for ids, values in TINY_PROMPTS]
+    # The path is read: a written value is the prompt's -1250.25, which the linear read-out alone does not give.
+    assert any(value == pytest.approx(-1250.25, rel=1e-3) for numbers in written for _, value, _, _ in numbers)
     path = tmp_path_factory.mktemp("tiny_causal_qwen")
     model.save_pretrained(path)
     return model, path
 
 
+@pytest.fixture(scope="module")
+def tiny_without_path(tmp_path_factory):
+    """The tiny CausalQwen converted without the context-value path."""
+    model = _tiny_model(context_values=False)
+    path = tmp_path_factory.mktemp("tiny_causal_qwen_without_path")
+    model.save_pretrained(path)
+    return model, path
+
+
 class _Engines:
-    """One in-process vLLM engine at a time: asking for another folder shuts the previous engine down first."""
+    """One in-process vLLM engine at a time: asking for another folder or other options shuts the previous engine
+    down first."""
 
     def __init__(self) -> None:
         self.path: str | None = None
         self.llm: LLM | None = None
 
     def get(self, path, **options) -> LLM:
-        if self.path != str(path):
+        key = repr((str(path), sorted(options.items())))
+        if self.path != key:
             self.close()
-            self.llm, self.path = LLM(str(path), **{**ENGINE, **options}), str(path)
+            self.llm, self.path = LLM(str(path), **{**ENGINE, **options}), key
         return self.llm
 
     def close(self) -> None:
@@ -157,18 +198,56 @@ def _assert_predictions_equal(got, expected) -> None:
             assert mine == pytest.approx(theirs, rel=1e-4, abs=1e-4 * extent)
 
 
-@pytest.mark.parametrize("mode", ["traditional", "standard"])
-def test_tiny_greedy_equals_the_library(tiny, tiny_llm, mode):
-    model, _ = tiny
-    prompts, params = _requests(mode, TINY_PROMPTS)
-    outputs = tiny_llm.generate(prompts, params, use_tqdm=False)
+def _assert_greedy_equals_the_library(model, llm, mode: str, prompts) -> None:
+    requests, params = _requests(mode, prompts)
+    outputs = llm.generate(requests, params, use_tqdm=False)
     written = 0
-    for (ids, values), output, request in zip(TINY_PROMPTS, outputs, params, strict=True):
+    for (ids, values), output, request in zip(prompts, outputs, params, strict=True):
         expected_tokens, expected_numbers = library_greedy(model, ids, values, mode)
         assert list(output.outputs[0].token_ids) == expected_tokens
         _assert_numbers_equal(generated_numbers(request), expected_numbers)
         written += len(expected_numbers)
     assert written > 0  # the written values were fed back
+
+
+@pytest.mark.parametrize("mode", ["traditional", "standard"])
+def test_tiny_greedy_equals_the_library(tiny, tiny_llm, mode):
+    """With the context-value path: its read of the prompt's and the written numbers is the library's."""
+    assert tiny[0].config.context_values
+    _assert_greedy_equals_the_library(tiny[0], tiny_llm, mode, TINY_PROMPTS)
+    # A prompt position found in the prefix cache would not give the path its keys: the engine computes them all.
+    assert not tiny_llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+
+
+@pytest.mark.parametrize("mode", ["traditional", "standard"])
+def test_tiny_without_the_path_equals_the_library(tiny_without_path, engines, mode):
+    model, path = tiny_without_path
+    assert not model.config.context_values
+    llm = engines.get(path, skip_tokenizer_init=True)
+    _assert_greedy_equals_the_library(model, llm, mode, TINY_PROMPTS)
+    assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching  # vLLM's default stays
+
+
+def test_tiny_chunked_and_preempted_equals_the_library(tiny, engines, monkeypatch):
+    """Prompts prefilled in chunks of at most 8 tokens, and a KV cache too small for the batch, so that vLLM preempts
+    requests and computes their positions again: the path's entries grow across chunks, and a preempted request
+    comes back with its written values and its entries, replaced rather than added twice."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    preempted = []
+    preempt = Scheduler._preempt_request
+
+    def counting(scheduler, request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return preempt(scheduler, request, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "_preempt_request", counting)
+    # About 7 blocks of 32 tokens, while the 8 requests grow to 2 blocks each.
+    llm = engines.get(tiny[1], skip_tokenizer_init=True, max_num_batched_tokens=8, block_size=32, max_model_len=64,
+                      kv_cache_memory_bytes=8 * 32 * 512)
+    for mode in ("standard", "traditional"):
+        _assert_greedy_equals_the_library(tiny[0], llm, mode, TINY_PROMPTS + TINY_PROMPTS[::-1])
+    assert preempted
 
 
 def test_tiny_prompt_values_reach_the_model(tiny, tiny_llm):
@@ -178,21 +257,6 @@ def test_tiny_prompt_values_reach_the_model(tiny, tiny_llm):
     first, second = (list(o.outputs[0].token_ids) for o in tiny_llm.generate(prompts, params, use_tqdm=False))
     assert first != second
     assert second == library_greedy(tiny[0], ids, other, "traditional")[0]
-
-
-def test_a_checkpoint_with_the_context_path_is_refused_by_name(tiny, engines, tmp_path):
-    base = CausalQwenForCausalLM.from_pretrained(tiny[1])
-    model = CausalQwenForCausalLM(CausalQwenConfig(**{**base.config.to_dict(), "context_values": True}))
-    model.load_state_dict(base.state_dict(), strict=False)
-    model.save_pretrained(tmp_path)
-    with pytest.raises(Exception) as caught:
-        engines.get(tmp_path, skip_tokenizer_init=True)
-    chain = []
-    error = caught.value
-    while error is not None:
-        chain.append(str(error))
-        error = error.__cause__ or error.__context__
-    assert any("context_values=True" in message and "does not serve" in message for message in chain), chain
 
 
 def test_tiny_unsupported_requests_are_refused(tiny_llm):
@@ -238,10 +302,10 @@ def test_real_greedy_equals_the_library(mode, real_causal_qwen):
 
 @pytest.fixture(scope="module")
 def real_causal_qwen_folder(qwen25_dir, tmp_path_factory):
-    """The real Qwen2.5-0.5B converted by from_qwen and saved with its tokenizer."""
+    """The real Qwen2.5-0.5B converted by from_qwen with its defaults and saved with its tokenizer."""
     tokenizer = CausalQwenTokenizer.from_pretrained(qwen25_dir)
-    model = CausalQwenForCausalLM.from_qwen(qwen25_dir, tokenizer=tokenizer, dtype=torch.float32,
-                                            context_values=False).eval()  # the plugin serves models without it
+    model = CausalQwenForCausalLM.from_qwen(qwen25_dir, tokenizer=tokenizer, dtype=torch.float32).eval()
+    assert model.config.context_values  # converted with the defaults: the context-value path is on
     path = tmp_path_factory.mktemp("causal_qwen_0.5b")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -263,7 +327,7 @@ def tiny_with_tokenizer(qwen25_dir, tmp_path_factory):
     config = Qwen2Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
                          tie_word_embeddings=False, eos_token_id=151645)
-    model = CausalQwenForCausalLM.from_qwen(Qwen2ForCausalLM(config), tokenizer=tokenizer, context_values=False).eval()
+    model = CausalQwenForCausalLM.from_qwen(Qwen2ForCausalLM(config), tokenizer=tokenizer).eval()
     path = tmp_path_factory.mktemp("tiny_served")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -19,13 +19,21 @@ the prompt ids as the tokenizer returns them ([`number_prompt`] builds both). Wh
 head's median at that step is the value fed back through the numeric embedding at the next step, as in the library.
 The per-request state lives in the worker: [`CausalQwenRequests`], a logits processor (vLLM's per-request hook, which
 sees every request enter, leave and move in the batch) shares it with the model.
+
+With the context-value path (`config.context_values`, docs/design.md §1b) the state of a request also holds the path's
+keys and entries of its `<NUM>` positions, which the library keeps as a layer of its generation cache: the value head
+reads them at every step through the library's own `CausalQwenContextValues.entries` and `read`. Prefix caching would
+skip the prompt positions whose keys the path needs, so it is turned off for such a checkpoint.
 """
 
 from __future__ import annotations
 
+import bisect
+import logging
 import math
 import os
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -33,6 +41,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+_LOG = logging.getLogger(__name__)
 
 MODES = ("traditional", "standard")
 MODE_ENV = "CAUSAL_QWEN_VLLM_MODE"
@@ -55,6 +65,37 @@ def register() -> None:
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, f"{__name__}:CausalQwenForVLLM")
     _register_renderer()
+    _register_config_check()
+
+
+def _register_config_check() -> None:
+    """vLLM's per-architecture hook on the engine's configuration, run where the configuration is built (before the
+    scheduler and the workers get it): [`check_engine_config`]."""
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
+
+    class CausalQwenEngineConfig(VerifyAndUpdateConfig):
+        @staticmethod
+        def verify_and_update_config(vllm_config) -> None:
+            check_engine_config(vllm_config)
+
+    if ARCHITECTURE not in MODELS_CONFIG_MAP:
+        MODELS_CONFIG_MAP[ARCHITECTURE] = CausalQwenEngineConfig
+
+
+def check_engine_config(vllm_config) -> None:
+    """Turn prefix caching off for a checkpoint with the context-value path.
+
+    A prompt position found in the prefix cache is not computed again, and its `<NUM>` keys, which the path reads at
+    every later position, would be missing. vLLM turns prefix caching on by default, so a request for it cannot be
+    told from the default here: it is turned off either way, with a warning naming the option.
+    """
+    cache = vllm_config.cache_config
+    if getattr(vllm_config.model_config.hf_config, "context_values", False) and cache.enable_prefix_caching:
+        _LOG.warning(
+            "enable_prefix_caching is turned off: this checkpoint has context_values=True, whose read of the earlier "
+            "<NUM> values needs every prompt position computed (docs/serving.md)"
+        )
+        cache.enable_prefix_caching = False
 
 
 def _register_renderer() -> None:
@@ -172,6 +213,12 @@ class RequestNumbers:
     prompt_values: list[float] | None
     key: str | None = None
     predicted: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # position → value, loc_Y, scale_Y
+    context: ContextEntries | None = None  # the context-value path's entries of the request's `<NUM>` positions
+
+    def predict(self, position: int, value: float, loc: float, scale: float) -> None:
+        """Record the value head's prediction for `position`. The first stands: a preempted request computes its
+        positions again, and a `<NUM>` written there keeps the value it was written and fed back with."""
+        self.predicted.setdefault(position, (value, loc, scale))
 
     def value_at(self, position: int, num_token_id: int) -> float:
         """The value of the `<NUM>` at `position` (of the prompt, or written by the model at an earlier step)."""
@@ -205,11 +252,43 @@ class RequestNumbers:
         return found
 
 
+@dataclass
+class ContextEntries:
+    """The context-value path's keys `[n, 3r]` and entries `[n, 3]` (y, v, is `<NUM>`; float64, as
+    `CausalQwenContextValues.entries` gives them) of one request's `<NUM>` positions `[n]`, in position order."""
+
+    positions: torch.Tensor
+    keys: torch.Tensor
+    entries: torch.Tensor
+
+    @classmethod
+    def empty(cls, width: int, device: torch.device) -> ContextEntries:
+        return cls(torch.zeros(0, dtype=torch.long, device=device),
+                   torch.zeros(0, width, dtype=torch.float64, device=device),
+                   torch.zeros(0, 3, dtype=torch.float64, device=device))
+
+    def update(self, first: int, positions: torch.Tensor, keys: torch.Tensor, entries: torch.Tensor) -> None:
+        """The entries of a forward over the positions from `first` on: those kept from positions at or after
+        `first` are dropped first, so that positions computed again (a preempted request) replace their entries."""
+        if self.positions.numel() and int(self.positions[-1]) >= first:
+            kept = self.positions < first
+            self.positions, self.keys, self.entries = self.positions[kept], self.keys[kept], self.entries[kept]
+        if positions.numel():
+            self.positions = torch.cat((self.positions, positions))
+            self.keys = torch.cat((self.keys, keys))
+            self.entries = torch.cat((self.entries, entries))
+
+
 class _Batch:
-    """The rows of vLLM's persistent batch, in its order, as the logits processor sees them."""
+    """The rows of vLLM's persistent batch, in its order, as the logits processor sees them.
+
+    A request's state is found again by its `SamplingParams`: the worker holds the same object from the request's
+    arrival to its end, and a preempted request leaves the batch and comes back with it, its numbers kept (the values
+    it wrote, the path's entries), as its positions are computed again."""
 
     def __init__(self) -> None:
         self.rows: dict[int, RequestNumbers] = {}
+        self._states: dict[int, tuple[weakref.ref, RequestNumbers]] = {}  # id of the params → (the params, state)
         self.num_token_id: int | None = None  # set by the model; None: no numbers to keep
         self.value_transform = "identity"
         self.last_positions: list[int] | None = None  # per row, the position the last forward decided from
@@ -222,14 +301,19 @@ class _Batch:
         for index in batch_update.removed:
             self.rows.pop(index, None)
         for index, params, prompt_ids, output_ids in batch_update.added:
-            extra = params.extra_args if params is not None else None
-            values = (extra or {}).get(VALUES_ARG)
-            self.rows[index] = RequestNumbers(
-                prompt_ids=list(prompt_ids or []), output_ids=output_ids, mode=request_mode(extra),
-                prompt_values=[float(v) for v in values] if values is not None else None,
-                key=(extra or {}).get(KEY_ARG),
-            )
-            self._keep(self.rows[index])
+            request = self._state_of(params)
+            if request is None:
+                extra = params.extra_args if params is not None else None
+                values = (extra or {}).get(VALUES_ARG)
+                request = RequestNumbers(
+                    prompt_ids=list(prompt_ids or []), output_ids=output_ids, mode=request_mode(extra),
+                    prompt_values=[float(v) for v in values] if values is not None else None,
+                    key=(extra or {}).get(KEY_ARG),
+                )
+                self._hold(params, request)
+            request.output_ids = output_ids  # vLLM may give a resumed request a new list
+            self.rows[index] = request
+            self._keep(request)
         for first, second, direction in batch_update.moved:
             a, b = self.rows.pop(first, None), self.rows.pop(second, None)
             if a is not None:
@@ -237,6 +321,24 @@ class _Batch:
             if b is not None and direction == MoveDirectionality.SWAP:
                 self.rows[first] = b
 
+
+    def _state_of(self, params) -> RequestNumbers | None:
+        """The state of the request of these `SamplingParams`, if it was in the batch before."""
+        held = self._states.get(id(params)) if params is not None else None
+        return held[1] if held is not None and held[0]() is params else None
+
+    def _hold(self, params, request: RequestNumbers) -> None:
+        """Hold the state while vLLM holds the params (a weak reference: it is dropped with them)."""
+        if params is None:
+            return
+        key = id(params)
+        states = self._states
+
+        def forget(ref: weakref.ref) -> None:
+            if key in states and states[key][0] is ref:
+                del states[key]
+
+        states[key] = (weakref.ref(params, forget), request)
 
     def _keep(self, request: RequestNumbers) -> None:
         """Keep a request with a key (the latest `KEPT_REQUESTS`), so that its numbers can be read once it is done."""
@@ -329,12 +431,11 @@ class CausalQwenForVLLM(nn.Module):
         from ..modeling import CausalQwenAbduction, CausalQwenAction, CausalQwenNumericEmbedding
 
         config = vllm_config.model_config.hf_config
-        if getattr(config, "context_values", False):
-            raise ValueError(
-                "this checkpoint has context_values=True (the abduction reads the earlier <NUM> values, docs/design.md "
-                "§1b), which the vLLM plugin does not serve yet: serve it with the library's generate, or convert "
-                "without the path"
-            )
+        if getattr(config, "context_values", False) and vllm_config.cache_config.enable_prefix_caching:
+            # `check_engine_config` turns it off where the engine's configuration is built; an engine built without
+            # the plugin's hook would read the path's entries of prompt positions it never computed.
+            raise ValueError("enable_prefix_caching must be off for a checkpoint with context_values=True: its read "
+                             "of the earlier <NUM> values needs every prompt position computed")
         self.config = config
         self.model = Qwen2Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.numeric_embedding = CausalQwenNumericEmbedding(config) if config.use_numeric else None
@@ -365,12 +466,41 @@ class CausalQwenForVLLM(nn.Module):
         if rows is not None:
             ends = torch.tensor(rows[1:], dtype=torch.long, device=positions.device) - 1
             self.batch.last_positions = positions[ends].tolist()
+        values = None
         if inputs_embeds is None:
             inputs_embeds = self.model.embed_input_ids(input_ids)
             if self.numeric_embedding is not None:
                 values = self._numeric_values(input_ids, positions, rows)
                 inputs_embeds = self.numeric_embedding(inputs_embeds, input_ids, values)
-        return self.model(None, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
+        hidden_states = self.model(None, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
+        if self.abduction.context_values is not None and rows is not None:
+            self._keep_context(hidden_states, input_ids, positions, values, rows)
+        return hidden_states
+
+    def _keep_context(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                      values: torch.Tensor | None, rows: list[int]) -> None:
+        """Add the path's keys and entries of this forward's `<NUM>` positions to their requests' (the backbone's
+        final features, as the library's forward passes them to `read_context`)."""
+        path = self.abduction.context_values
+        if values is not None:  # the forward has numbers
+            index = (input_ids == self.num_token_id).nonzero().flatten()
+        else:
+            index = positions.new_zeros(0, dtype=torch.long)
+        is_num = torch.ones(1, index.numel(), dtype=torch.bool, device=index.device)
+        values = values[index] if values is not None else torch.zeros(0, dtype=torch.float64, device=index.device)
+        keys, entries = path.entries(hidden_states[None, index], is_num, values[None], self.config.value_transform)
+        number_positions = positions[index]
+        starts = torch.tensor(rows, device=index.device)
+        owners = torch.searchsorted(starts, index, right=True) - 1
+        firsts = positions[starts[:-1]].tolist()
+        for row, first in enumerate(firsts):
+            request = self.batch.rows.get(row)
+            if request is None:
+                continue
+            if request.context is None:
+                request.context = ContextEntries.empty(keys.shape[-1], keys.device)
+            mine = owners == row
+            request.context.update(first, number_positions[mine], keys[0, mine], entries[0, mine])
 
     def _row_starts(self) -> list[int] | None:
         """Where each request's tokens start in the flat batch (`query_start_loc`), None outside a real step."""
@@ -397,8 +527,6 @@ class CausalQwenForVLLM(nn.Module):
         if rows is None or not bool(is_num.any()):
             return None
         values = torch.zeros(input_ids.shape, dtype=torch.float64)
-        import bisect
-
         for index in is_num.nonzero().flatten().tolist():
             row = bisect.bisect_right(rows, index) - 1
             values[index] = self.batch.rows[row].value_at(int(positions[index]), self.num_token_id)
@@ -422,7 +550,8 @@ class CausalQwenForVLLM(nn.Module):
             logits[rows] = DECISION_RULES["standard"].scores(self.action, std_loc, std_scale)
         last = self.batch.last_positions
         if self.action.reg_head is not None and last is not None and len(last) == hidden_states.shape[0]:
-            loc_y, scale_y = self.action.regress(loc_in, scale_in)
+            context = self._read_context(hidden_states, last) if self.abduction.context_values is not None else None
+            loc_y, scale_y = self.action.regress(loc_in, scale_in, context)
             values = untransform(loc_y.double(), self.config.value_transform)
             values = values.nan_to_num(nan=math.nan, posinf=_MAX_VALUE, neginf=-_MAX_VALUE)
             values = shortest_float32(values.reshape(-1)).tolist()
@@ -431,8 +560,31 @@ class CausalQwenForVLLM(nn.Module):
             ):
                 request = self.batch.rows.get(row)
                 if request is not None:
-                    request.predicted[position + 1] = (value, loc, scale)
+                    request.predict(position + 1, value, loc, scale)
         return logits
+
+    def _read_context(self, hidden_states: torch.Tensor, last: list[int]):
+        """The path's read at each row's position `last` (its request's last of this forward) over the entries of
+        its request's `<NUM>` positions up to there: a `ContextRead` of one position per row, `[R]`."""
+        from torch.nn.utils.rnn import pad_sequence
+
+        from ..context_values import ContextRead
+
+        path = self.abduction.context_values
+        width = 3 * path.rank
+        device = hidden_states.device
+        stored = []
+        for row in range(hidden_states.shape[0]):
+            request = self.batch.rows.get(row)
+            context = request.context if request is not None else None
+            stored.append(context if context is not None else ContextEntries.empty(width, device))
+        keys = pad_sequence([c.keys for c in stored], batch_first=True)
+        entries = pad_sequence([c.entries for c in stored], batch_first=True)  # padding: is_num 0, never visible
+        key_positions = pad_sequence([c.positions for c in stored], batch_first=True)
+        query_positions = torch.tensor(last, device=device)
+        visible = (entries[..., 2] > 0)[:, None, :] & (key_positions[:, None, :] <= query_positions[:, None, None])
+        read = path.read(hidden_states[:, None], keys, entries, visible, self.config.value_transform)
+        return ContextRead(read.linear_weight[:, 0], read.offset[:, 0], read.width[:, 0])
 
     def _row_modes(self, count: int) -> list[str]:
         """The mode of each row of the logits: its request's, when the rows are the batch's requests."""
