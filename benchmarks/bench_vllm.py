@@ -1,10 +1,11 @@
 """Serving throughput on vLLM: CausalQwen against its Qwen2.5-0.5B, and against the library's own `generate`.
 
 One run measures, on the same batch of prompts (greedy, exactly `--new-tokens` new tokens each, `--batch` prompts):
-vLLM serving the real Qwen2.5-0.5B, vLLM serving that model converted to CausalQwen (`from_qwen`, saved with its
-tokenizer), and the library's `generate(mode="traditional")` on the converted model with the same batch (left
-padded). Each vLLM engine runs in its own process; the first request batch warms it up and is not timed. It prints
-generated tokens per second and the two ratios (bars: ≥ 0.85 against vLLM's Qwen2, ≥ 3 against `generate`).
+vLLM serving the real Qwen2.5-0.5B, vLLM serving that model converted to CausalQwen (`from_qwen` with its defaults,
+the context-value path on; saved with its tokenizer), and the library's `generate(mode="traditional")` on the
+converted model with the same batch (left padded). Each vLLM engine runs in its own process; the first request batch
+warms it up and is not timed. It prints generated tokens per second and the two ratios (bars: ≥ 0.85 against vLLM's
+Qwen2, ≥ 3 against `generate`).
 
 Run it in the vllm environment (docs/serving.md):
 
@@ -80,8 +81,7 @@ def convert(target: str, dtype: str) -> None:
     from causal_qwen import CausalQwenForCausalLM, CausalQwenTokenizer
 
     tokenizer = CausalQwenTokenizer.from_pretrained(QWEN25_DIR)
-    model = CausalQwenForCausalLM.from_qwen(QWEN25_DIR, tokenizer=tokenizer, dtype=getattr(torch, dtype),
-                                            context_values=False)  # the plugin does not serve the path
+    model = CausalQwenForCausalLM.from_qwen(QWEN25_DIR, tokenizer=tokenizer, dtype=getattr(torch, dtype))
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
 
