@@ -300,6 +300,37 @@ def test_real_greedy_equals_the_library(mode, real_causal_qwen):
         _assert_predictions_equal(generated_numbers(params, every_step=True), expected_steps)
 
 
+@pytest.mark.slow
+def test_real_path_read_equals_the_library(real_causal_qwen_folder, engines, tmp_path):
+    """The converted Qwen2.5-0.5B with its path moved from its linear-only start to the start it is fitted from
+    (copy scores of the features, the linear read-out's score level with them): the value at every step reads the
+    prompt's numbers, from vLLM's backbone features as from transformers'."""
+    model, tokenizer, _ = real_causal_qwen_folder
+    path = model.abduction.context_values
+    kept = {name: tensor.clone() for name, tensor in path.state_dict().items()}
+    try:
+        path.reset_parameters(torch.Generator().manual_seed(0), keep_loaded=False)
+        model.save_pretrained(tmp_path)
+        tokenizer.save_pretrained(tmp_path)
+        llm = engines.get(tmp_path, kv_cache_memory_bytes=256 << 20)
+        texts = REAL_TEXTS[1:]  # those with numbers
+        requests = [number_prompt(tokenizer, text, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+                    for text in texts]
+        outputs = llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
+        for text, (_, params), output in zip(texts, requests, outputs, strict=True):
+            encoded = tokenizer(text, return_tensors="pt")
+            with torch.no_grad():  # the path moves the value from the linear read-out's
+                out = model(**encoded)
+                linear, _ = model.action.regress(*model.action.head_inputs(out.loc_U[:, -1], out.scale_U[:, -1]))
+            assert abs(float(out.loc_Y[0, -1] - linear[0])) > 1e-2, text
+            expected_tokens, _, expected_steps = library_greedy_with_steps(
+                model, encoded["input_ids"][0].tolist(), encoded["numeric_values"][0].tolist(), "traditional")
+            assert list(output.outputs[0].token_ids) == expected_tokens, text
+            _assert_predictions_equal(generated_numbers(params, every_step=True), expected_steps)
+    finally:
+        path.load_state_dict(kept)
+
+
 @pytest.fixture(scope="module")
 def real_causal_qwen_folder(qwen25_dir, tmp_path_factory):
     """The real Qwen2.5-0.5B converted by from_qwen with its defaults and saved with its tokenizer."""
