@@ -43,7 +43,7 @@ LINEAR_ONLY_SCORE = 40.0
 # A log-space combination beyond this is past float64's range once exponentiated.
 _MAX_LOG = 700.0
 # ρ stays within e^±40.
-_MAX_LOG_WIDTH = 40.0
+MAX_LOG_WIDTH = 40.0
 
 
 @dataclass
@@ -60,6 +60,8 @@ class ContextRead:
     # path out of the graph, and data-parallel and sharding engines wait for a gradient of every trainable parameter
     # (exactly 0 here).
     in_graph: torch.Tensor | float = 0.0
+    # π̄_t = (π_0, Σ_j π_j, π_ℓ, π_r) `[B, S, 4]`, what the width ρ_t reads of the choice.
+    choice: torch.Tensor | None = None
 
     def apply(
         self, loc_linear: torch.Tensor, spread_linear: torch.Tensor, noise_scale: torch.Tensor | float
@@ -72,7 +74,9 @@ class ContextRead:
 
     def last(self, rows: int) -> ContextRead:
         """The read of the last `rows` positions."""
-        return ContextRead(self.linear_weight[:, -rows:], self.offset[:, -rows:], self.width[:, -rows:], self.in_graph)
+        choice = None if self.choice is None else self.choice[:, -rows:]
+        return ContextRead(self.linear_weight[:, -rows:], self.offset[:, -rows:], self.width[:, -rows:], self.in_graph,
+                           choice)
 
 
 class CausalQwenContextValues(nn.Module):
@@ -214,8 +218,8 @@ class CausalQwenContextValues(nn.Module):
         raw_width = self.width(queries).double().squeeze(-1)
         # Bounded: a width map fitted on the value rows can reach far past them at other positions, and exp of it
         # would be inf there, with a NaN gradient through a loss that does not read those positions.
-        width = (raw_width + summary @ self.width_by_choice.double()).clamp(-_MAX_LOG_WIDTH, _MAX_LOG_WIDTH).exp()
-        read = ContextRead(linear, offset, width)
+        width = (raw_width + summary @ self.width_by_choice.double()).clamp(-MAX_LOG_WIDTH, MAX_LOG_WIDTH).exp()
+        read = ContextRead(linear, offset, width, choice=summary)
         if self.training and torch.is_grad_enabled():
             # Every layer's output (not its parameters: a sharding engine releases a layer's parameters once the
             # layer has run) times 0, so that a loss without a value term still reaches every parameter.

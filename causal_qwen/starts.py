@@ -63,7 +63,8 @@ class ValueHeadFit:
     the `<NUM>` decision (None when off): the labelled positions it read, how far the `<NUM>` row moved
     (‖Δw‖/‖w‖), the bias offset, and standard mode's num_f1 on those positions before and after; and for the
     context-value path (None without it, `context_start.fit_context_values`): its rows, the held-out value NLL of
-    the linear read-out alone and of the path, and the step it kept (0: the linear read-out alone).
+    the linear read-out alone and of the path, the step it kept (0: the linear read-out alone) and the shift of
+    its log-width per choice fitted on the held-out rows.
     """
 
     positions: int
@@ -79,6 +80,7 @@ class ValueHeadFit:
     context_nll_linear: float | None = None
     context_nll: float | None = None
     context_step: int | None = None
+    context_width_shift: list[float] | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,7 +39,9 @@ def measure(model, tokenizer, data: dict, batch: int) -> dict:
     results = {}
     for split in SPLITS:
         targets = experiment.causal_targets(model, tokenizer, data[split], batch)
+        errors = [abs(m - t) / max(abs(t), 1e-12) for m, t in zip(targets["median"], targets["true"], strict=True)]
         results[split] = {"per_template": experiment.per_template(targets["median"], targets["examples"]),
+                          "pooled": statistics.median(errors) if errors else float("nan"),
                           **experiment.interval_metrics(targets)}
     return results
 
@@ -55,10 +58,17 @@ def run_arm(on: bool, profile, tokenizer, data: dict, args) -> dict:
            "start_seconds": time.perf_counter() - t0}
     print(f"context_values={on}: start measured, {arm['start_seconds']:.0f}s", flush=True)
     if args.steps:
-        experiment.train_causal(model, tokenizer, data["train"], profile, Path(args.output) / f"on={on}", args.seed,
-                                steps=args.steps)
+        trainer = experiment.train_causal(model, tokenizer, data["train"], profile, Path(args.output) / f"on={on}",
+                                          args.seed, steps=args.steps)
+        arm["refits"] = [(step, fit.to_dict()) for step, fit in trainer.value_head_start.refits]
         arm["trained"] = measure(model, tokenizer, data, profile.eval_batch)
         print(f"context_values={on}: trained {args.steps} steps, {time.perf_counter() - t0:.0f}s", flush=True)
+        if args.restart:
+            # The start's own procedure again on the trained features: tells a loss of features from a loss of fit.
+            features = tokenize_examples(tokenizer, [ex.text for ex in data["train"]])
+            arm["restart_fit"] = fit_value_head(
+                model, experiment.collated(collator, features, profile.eval_batch), num_row=False).to_dict()
+            arm["restarted"] = measure(model, tokenizer, data, profile.eval_batch)
     return arm
 
 
@@ -66,14 +76,15 @@ def table(results: dict) -> str:
     lines = []
     for split in SPLITS:
         rows = [(f"context_values={on}, {stage}", arm[stage][split]) for on, arm in results["arms"].items()
-                for stage in ("start", "trained") if stage in arm]
+                for stage in ("start", "trained", "restarted") if stage in arm]
         templates = list(rows[0][1]["per_template"])
         lines += [f"\n{split}: median relative error of the target; coverage of the 50% / 90% intervals",
-                  "| arm | " + " | ".join(templates) + " | coverage 50% / 90% |",
-                  "|---" * (len(templates) + 2) + "|"]
+                  "| arm | " + " | ".join(templates) + " | pooled | coverage 50% / 90% |",
+                  "|---" * (len(templates) + 3) + "|"]
         for name, cell in rows:
             errors = " | ".join(f"{cell['per_template'][t]:.3g}" for t in templates)
-            lines.append(f"| {name} | {errors} | {cell['reg_coverage_50']:.2f} / {cell['reg_coverage_90']:.2f} |")
+            coverage = f"{cell['reg_coverage_50']:.2f} / {cell['reg_coverage_90']:.2f}"
+            lines.append(f"| {name} | {errors} | {cell['pooled']:.3g} | {coverage} |")
     return "\n".join(lines)
 
 
@@ -82,6 +93,8 @@ def main() -> None:
     parser.add_argument("--profile", default="cpu", choices=sorted(experiment.PROFILES))
     parser.add_argument("--steps", type=int, default=0, help="training steps after the start (0: the start only)")
     parser.add_argument("--arms", default="off,on", help="off, on or both")
+    parser.add_argument("--restart", action="store_true",
+                        help="after training, also fit the value head from scratch (the start's procedure) and measure")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="runs/context_path")
     args = parser.parse_args()

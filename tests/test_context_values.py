@@ -271,6 +271,40 @@ def test_the_start_from_data_fits_the_path_to_copy(tiny_qwen):
     assert _repeat_error(model, _repeat_batches(3, seed=2)) < 0.05
 
 
+def _noisy_repeat_batches(n_batches: int, seed: int, noise: float = 0.05):
+    """Texts that state a number and a reading of it five tokens later, off by a Cauchy factor exp(noise·ε)."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    batches = _repeat_batches(n_batches, seed)
+    for batch in batches:
+        values = batch["numeric_values"]
+        u = torch.rand(values.shape[0], generator=g, dtype=torch.float64)
+        eps = (noise * torch.tan(math.pi * (u - 0.5))).clamp(-2.0, 2.0)  # Cauchy(0, noise) by its inverse CDF
+        values[:, 7] = (values[:, 2] * eps.exp()).round(decimals=2)
+    return batches
+
+
+def test_the_start_calibrates_the_path_intervals(tiny_qwen):
+    """The 50% and the 90% intervals of a reading the path copies cover about half and nine tenths of fresh readings:
+    counted directly, against the truth of data drawn with a known noise."""
+    from causal_qwen.starts import fit_value_head
+
+    torch.manual_seed(0)
+    model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM, context_values=True,
+                                            context_values_rank=RANK).eval()
+    fit = fit_value_head(model, _noisy_repeat_batches(12, seed=1), num_row=False)
+    assert fit.context_step > 0
+    inside = {0.5: [], 0.9: []}
+    with torch.no_grad():
+        for batch in _noisy_repeat_batches(12, seed=2):
+            out = model(batch["input_ids"], numeric_values=batch["numeric_values"])
+            truth = batch["numeric_values"][:, 7]
+            for level, hits in inside.items():
+                _, low, high = model.value_interval(out.loc_Y[:, 6], out.scale_Y[:, 6], level)
+                hits.append((truth >= low) & (truth <= high))
+    coverage = {level: float(torch.cat(hits).double().mean()) for level, hits in inside.items()}
+    assert abs(coverage[0.5] - 0.5) <= 0.1 and abs(coverage[0.9] - 0.9) <= 0.1, coverage
+
+
 def test_a_text_only_training_batch_keeps_the_path_in_the_graph(model):
     """A batch without numbers has no value term, yet every trainable parameter of the path gets a gradient (0),
     as data-parallel engines wait for one."""

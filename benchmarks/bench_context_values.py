@@ -1,0 +1,97 @@
+"""One training step (forward + backward) with the context-value path (docs/design.md §1b) on and off.
+
+Two CausalQwen models of Qwen2.5-0.5B's shape (hidden 896, 24 layers, vocabulary 151,936; random weights, so no
+checkpoint is read), built by `from_qwen` from one Qwen2 model, so that they differ only in the path. Every weight
+trains, as at `CausalQwenTrainer`'s defaults, except the path, which the trainer holds out of the optimizer with the
+read-out (docs/training.md); `--train-path` lets it train too. Two batches of `--batch` × `--seq` random ids: one in
+which `--numbers` tokens are `<NUM>` with values, and one of text only (where the path has nothing to read).
+
+Both models live in one process and steps alternate between them; the time is the median over `--steps` steps, and
+the ratio is the path's step time over the step without it.
+
+    python benchmarks/bench_context_values.py                  # 24 layers, B=1, S=1024, 64 numbers
+    python benchmarks/bench_context_values.py --layers 4       # quick (the path's share is then 6x larger)
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from causal_qwen import CausalQwenForCausalLM
+
+NUM = 151_665
+
+
+def build_models(layers: int, train_path: bool) -> tuple[CausalQwenForCausalLM, CausalQwenForCausalLM]:
+    torch.manual_seed(0)
+    qwen = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
+        num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    ))
+    off = CausalQwenForCausalLM.from_qwen(qwen, num_token_id=NUM, context_values=False).train()
+    on = CausalQwenForCausalLM.from_qwen(qwen, num_token_id=NUM, context_values=True).train()
+    with torch.no_grad():  # a path that reads: random queries, keys and choices rather than the linear-only start
+        g = torch.Generator().manual_seed(1)
+        for param in on.abduction.context_values.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * 0.05)
+    on.abduction.context_values.requires_grad_(train_path)
+    return off, on
+
+
+def make_batch(batch: int, seq: int, numbers: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 151_000, (batch, seq), generator=g)
+    values = torch.zeros(batch, seq, dtype=torch.float64)
+    if numbers:
+        where = torch.linspace(8, seq - 2, numbers).long()
+        ids[:, where] = NUM
+        values[:, where] = torch.rand(batch, numbers, generator=g, dtype=torch.float64) * 1000
+    return {"input_ids": ids, "numeric_values": values, "labels": ids.clone()}
+
+
+def step(model: CausalQwenForCausalLM, batch: dict[str, torch.Tensor]) -> float:
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    model(**batch).loss.backward()
+    return time.perf_counter() - start
+
+
+def measure(off, on, batch, steps: int) -> tuple[float, float]:
+    step(off, batch), step(on, batch)  # warm-up
+    times = {"off": [], "on": []}
+    for _ in range(steps):
+        times["off"].append(step(off, batch))
+        times["on"].append(step(on, batch))
+    return statistics.median(times["off"]), statistics.median(times["on"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--numbers", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--train-path", action="store_true", help="let the path's weights train too")
+    args = parser.parse_args()
+    if args.numbers < 1 or args.numbers > args.seq - 10:
+        raise ValueError(f"--numbers must be in [1, seq - 10], got {args.numbers}")
+    off, on = build_models(args.layers, args.train_path)
+    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__};"
+          f" {args.layers} layers, B={args.batch}, S={args.seq}, path {'trained' if args.train_path else 'held'}")
+    print("| batch | step without the path (s) | with it (s) | ratio |")
+    print("|---|---|---|---|")
+    for name, numbers in ((f"{args.numbers} numbers", args.numbers), ("text only", 0)):
+        t_off, t_on = measure(off, on, make_batch(args.batch, args.seq, numbers), args.steps)
+        print(f"| {name} | {t_off:.3f} | {t_on:.3f} | {t_on / t_off:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
