@@ -457,7 +457,7 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenLoadingMixin, K
         training_step = self.training and has_targets
         same_graph = training_step and sharded_training()
         if inputs_embeds is None:
-            inputs_embeds = self._embed(input_ids, numeric_values, keep_in_graph=same_graph)
+            inputs_embeds = self._embed(input_ids, numeric_values, same_graph)
         outputs = self.model(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
                              past_key_values=past_key_values, use_cache=use_cache, **kwargs)
         kept = 0 if has_targets else logits_to_keep
@@ -484,12 +484,13 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenLoadingMixin, K
             past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
         )
 
-    def _embed(self, input_ids: torch.Tensor, numeric_values: torch.Tensor | None, keep_in_graph: bool) -> torch.Tensor:
-        """The input embedding `[B, S, H]`: the backbone's token embedding, plus the numbers' (when `use_numeric`)."""
+    def _embed(self, input_ids: torch.Tensor, numeric_values: torch.Tensor | None, same_graph: bool) -> torch.Tensor:
+        """The input embedding `[B, S, H]`: the backbone's token embedding, plus the numbers' (when `use_numeric`);
+        `same_graph` keeps the numeric embedding in the graph of a batch without numbers."""
         inputs_embeds = self.model.embed_tokens(input_ids)
         if self.numeric_embedding is None:
             return inputs_embeds
-        return self.numeric_embedding(inputs_embeds, input_ids, numeric_values, keep_in_graph=keep_in_graph)
+        return self.numeric_embedding(inputs_embeds, input_ids, numeric_values, keep_in_graph=same_graph)
 
     def _anchor(self, hidden_states: torch.Tensor, loc_u: torch.Tensor, scale_u: torch.Tensor) -> AnchorTerm | None:
         """U and U⁰ of the frozen abduction anchor, for the anchor term (docs/design.md §7); None without one."""
