@@ -20,7 +20,7 @@ _EXPORTS = {
     "CausalQwenConfig": ".configuration",
     "CausalQwenForCausalLM": ".modeling",
     "CausalQwenModel": ".modeling",
-    "CausalQwenOutput": ".modeling",
+    "CausalQwenOutput": ".outputs",
     "CausalQwenPreTrainedModel": ".modeling",
     "CausalQwenTextGenerationPipeline": ".pipeline",
     "CausalQwenTokenizer": ".tokenization",
@@ -39,7 +39,8 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .configuration import CausalQwenConfig
-    from .modeling import CausalQwenForCausalLM, CausalQwenModel, CausalQwenOutput, CausalQwenPreTrainedModel
+    from .modeling import CausalQwenForCausalLM, CausalQwenModel, CausalQwenPreTrainedModel
+    from .outputs import CausalQwenOutput
     from .pipeline import CausalQwenTextGenerationPipeline
     from .tokenization import CausalQwenTokenizer
     from .training import CausalQwenTrainer

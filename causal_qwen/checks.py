@@ -7,10 +7,7 @@ and shape checks still run while tracing.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from pathlib import Path
 
 import torch
 
@@ -18,7 +15,7 @@ from .labels import IGNORE_INDEX
 
 __all__ = [
     "check_positive_finite", "check_ids", "check_values", "check_numbers_have_values", "check_forward_inputs",
-    "check_values_at_numbers", "check_forward_replacement", "keeping_own_forward",
+    "check_values_at_numbers",
 ]
 
 
@@ -150,44 +147,3 @@ def check_values_at_numbers(input_ids: torch.Tensor, numeric_values: torch.Tenso
             "numeric_values is not aligned with input_ids (pass the ids and values the CausalQwenTokenizer returns "
             "together, padded and truncated together)."
         )
-
-
-# Set while `causal_qwen.integrations.trl` builds a TRL trainer that computes the model's own loss: TRL's fused head is
-# then left out (the trainer never asks for it) instead of refused.
-_KEEP_OWN_FORWARD = contextvars.ContextVar("causal_qwen_keep_own_forward", default=False)
-
-
-@contextlib.contextmanager
-def keeping_own_forward():
-    """Within this block a TRL fused LM head assigned to a CausalQwen model is skipped instead of refused."""
-    token = _KEEP_OWN_FORWARD.set(True)
-    try:
-        yield
-    finally:
-        _KEEP_OWN_FORWARD.reset(token)
-
-
-def _is_trl_fused_forward(value) -> bool:
-    """TRL's `add_fused_lm_head` installs a bound `_fused_forward` (wrapped to look like the model's forward)."""
-    code = getattr(getattr(value, "__func__", value), "__code__", None)
-    return code is not None and code.co_name == "_fused_forward" and "trl" in Path(code.co_filename).parts
-
-
-def check_forward_replacement(value) -> bool:
-    """Whether `model.forward = value` may go ahead (False: skip it); raise for TRL's fused LM head.
-
-    TRL's trainers (SFT, DPO, GRPO, ...) replace the forward with one that runs the bare backbone and a softmax
-    cross-entropy over `get_output_embeddings()`. On CausalQwen that skips the numeric embedding, the abduction network
-    and the OvR and regression losses: only `cls_head` would train, as a softmax classifier, `<NUM>` as a class without
-    its value. docs/training.md ("TRL") has the trainer that trains the model's own loss.
-    """
-    if not _is_trl_fused_forward(value):
-        return True
-    if _KEEP_OWN_FORWARD.get():
-        return False
-    raise ValueError(
-        "TRL's trainer replaces the model's forward with a fused softmax LM head, which skips CausalQwen's numeric "
-        "embedding, abduction network and One-vs-Rest/regression loss (only cls_head would train, and numbers would "
-        "lose their values). Use causal_qwen.integrations.trl.CausalQwenSFTTrainer (SFTTrainer's arguments) instead "
-        "of trl.SFTTrainer; other TRL trainers are not supported."
-    )

@@ -7,6 +7,9 @@
 - A checkpoint that lacks one of CausalQwen's own tensors raises a `ValueError` naming them, instead of their being
   drawn afresh (`check_missing_keys`); the backbone's keys, a checkpoint of the backbone alone, and tensors given as
   `state_dict=` behave as in transformers.
+
+`CausalQwenLoadingMixin` puts these on the model class, with the model card and the backbone's `auto_map` entry that
+`save_pretrained` writes.
 """
 
 from __future__ import annotations
@@ -14,14 +17,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import os
 from collections.abc import Iterator
 
 import torch
 
-from .configuration import CausalQwenConfig
+from .configuration import CausalQwenConfig, bind_model
+from .modelcard import write_model_card
 
-__all__ = ["FILLED_TENSORS", "check_config_edit", "check_missing_keys", "fill_from_config", "inverse_softplus",
-           "load_fills"]
+__all__ = ["FILLED_TENSORS", "CausalQwenLoadingMixin", "check_config_edit", "check_missing_keys", "fill_from_config",
+           "inverse_softplus", "load_fills"]
 
 # Fields that decide a model's modules when it is built: a built model cannot follow an edit of them.
 _MODULE_FIELDS = {
@@ -131,3 +136,59 @@ def _fields_changed_from_saved(args: tuple, kwargs: dict) -> frozenset:
     except OSError:  # no config.json beside the weights: nothing to compare with
         return frozenset()
     return frozenset(name for name in FILLED_TENSORS if name in saved and saved[name] != getattr(config, name))
+
+
+class CausalQwenLoadingMixin:
+    """The loading and saving of `CausalQwenForCausalLM`, and its bond to its config (`configuration.bind_model`)."""
+
+    # The bare backbone, which `AutoModel` gives for the config: saved remote code names it in the `auto_map`.
+    _backbone_class: type | None = None
+
+    def __setstate__(self, state) -> None:
+        # A copy (copy.deepcopy, pickle) has a config of its own, whose edits must reach the copy.
+        super().__setstate__(state)
+        bind_model(self.config, self)
+
+    def _config_field_changing(self, name: str, old, new) -> None:
+        check_config_edit(self, name, old, new)  # refuses an edit of a field that decides the model's modules
+
+    def _config_field_changed(self, name: str) -> None:
+        fill_from_config(self, name)  # fills the tensors the field initialises
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, keeping the model the one its config says.
+
+        A field that only fills tensors when the model is built (`FILLED_TENSORS`), given here or changed by a
+        `config=` from the saved config, fills them over the checkpoint's; a checkpoint that lacks one of
+        CausalQwen's own tensors raises a `ValueError` naming them, instead of their being drawn afresh.
+        """
+        with load_fills(args, kwargs) as filled:
+            result = super().from_pretrained(*args, **kwargs)
+        model = result[0] if isinstance(result, tuple) else result
+        if isinstance(model, cls):
+            # Loading replaces the parameters that `__init__` froze, so freeze again once they are in place.
+            model.apply_freeze_backbone()
+            for name in sorted(filled):
+                fill_from_config(model, name)
+        return result
+
+    def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
+        super()._adjust_missing_and_unexpected_keys(loading_info)
+        check_missing_keys(self, loading_info.missing_keys)
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`, plus a model card (README.md) when the folder has none.
+
+        A model whose code is saved beside the weights (`register_for_auto_class`, done by `import causal_qwen`)
+        also names its backbone for `AutoModel` in the config's `auto_map`, as the registered `AutoModel` does.
+        """
+        if self._auto_class is not None and self._backbone_class is not None:
+            auto_map = dict(getattr(self.config, "auto_map", None) or {})
+            backbone = self._backbone_class
+            auto_map.setdefault("AutoModel", f"{backbone.__module__.rsplit('.', 1)[-1]}.{backbone.__name__}")
+            self.config.auto_map = auto_map
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            write_model_card(save_directory, self.config)
+        return result

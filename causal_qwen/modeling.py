@@ -1,18 +1,16 @@
 """CausalQwen: a Qwen2 backbone with a numeric embedding, an abduction network and a Cauchy action network.
 
-Read top to bottom: the output dataclasses, the three small modules of docs/design.md §1 (the action network owns
+Read top to bottom, as Qwen2's modeling file: the three small modules of docs/design.md §1 (the action network owns
 every use of the heads, and hands them with the targets to `loss.causal_qwen_loss`), the pretrained-model base with
-its initialisation (§3), and `CausalQwenForCausalLM`, whose forward reads embed → backbone → abduction → heads and
-loss. What is not the model lives beside it: `distributed` (DDP, FSDP, DeepSpeed), `loading` (what `from_pretrained`
-and config edits fill or refuse), `migrations` (older checkpoints).
+its initialisation (§3), the bare backbone, and `CausalQwenForCausalLM`, whose forward reads embed → backbone →
+abduction → heads and loss. What is not the model lives beside it: `distributed` (DDP, FSDP, DeepSpeed), `loading`
+(`from_pretrained`, `save_pretrained`, config edits), `migrations` (older checkpoints), `finetuning` (what trains),
+`forward_guard` (TRL's fused head).
 """
 
 # No `from __future__ import annotations` here: transformers reads the forward's `**kwargs: Unpack[TransformersKwargs]`
 # annotation at run time (e.g. to tell whether the model can return attentions), which a string would hide.
-import copy
 import math
-import os
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -21,11 +19,11 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.models.qwen2.modeling_qwen2 import Qwen2PreTrainedModel
 from transformers.processing_utils import Unpack
-from transformers.utils import ModelOutput, TransformersKwargs, can_return_tuple
+from transformers.utils import TransformersKwargs, can_return_tuple
 
 from . import cauchy
 from .cauchy import symlog, untransform_values
-from .checks import check_forward_inputs, check_forward_replacement
+from .checks import check_forward_inputs
 from .configuration import CausalQwenConfig, bind_model
 from .context_values import CausalQwenContextValues, ContextRead
 from .conversion import convert_qwen
@@ -36,19 +34,21 @@ from .distributed import (
     register_zero3_heads,
     sharded_training,
 )
+from .finetuning import apply_freeze_backbone, enable_abduction_finetuning
+from .forward_guard import KeepsOwnForward
 from .generation import CausalGenerationState, CausalQwenGenerationMixin
 from .labels import LossTargets
-from .loading import check_config_edit, check_missing_keys, fill_from_config, inverse_softplus, load_fills
+from .loading import CausalQwenLoadingMixin, inverse_softplus
 from .loss import AnchorTerm, DecisionScores, FusedHead, LossOptions, Tiling, causal_qwen_loss
 from .migrations import register_checkpoint_conversions, upgrade_state_dict
-from .modelcard import write_model_card
+from .outputs import CausalQwenActionOutput, CausalQwenOutput
 
 # The loss's keywords of the forward, which `Trainer` (the counts) and context parallelism (the shifted labels) pass.
 _LOSS_KEYWORDS = ("num_items_in_batch", "num_numbers_in_batch", "shift_labels", "shift_numeric_labels")
 
 __all__ = [
-    "CausalQwenOutput", "CausalQwenActionOutput", "CausalQwenNumericEmbedding", "CausalQwenAbduction",
-    "CausalQwenAction", "CausalQwenPreTrainedModel", "CausalQwenModel", "CausalQwenForCausalLM",
+    "CausalQwenNumericEmbedding", "CausalQwenAbduction", "CausalQwenAction", "CausalQwenPreTrainedModel",
+    "CausalQwenModel", "CausalQwenForCausalLM",
 ]
 
 
@@ -67,50 +67,6 @@ def keep_positions(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tens
     if logits_to_keep.ndim == 2:
         return torch.take_along_dim(hidden_states, logits_to_keep[..., None], dim=1)
     return hidden_states[:, logits_to_keep]
-
-
-@dataclass
-class CausalQwenOutput(ModelOutput):
-    r"""
-    Output of [`CausalQwenForCausalLM`]. Shapes use B batch, S positions kept, V vocabulary, C causal size.
-
-    Args:
-        loss (`torch.FloatTensor` of shape `()`, *optional*, returned when `labels` is given):
-            `cls_loss + reg_loss_weight · reg_loss`.
-        cls_loss (`torch.FloatTensor` of shape `()`, *optional*):
-            One-vs-Rest classification loss, averaged over positions with a label.
-        reg_loss (`torch.FloatTensor` of shape `()`, *optional*):
-            Gated Cauchy NLL, averaged over positions whose label is `<NUM>` (0 when there is none).
-        logits (`torch.FloatTensor` of shape `(B, S, V)`):
-            The same tensor as `loc_S`, so code written for Qwen2 logits keeps working; None where `loc_S` is (a
-            training step's fused loss, which never builds it). Inside `generate` too, where `loc_S` is the mode's
-            (given the sampled individual in `causal` mode, the noise draw with `shared_noise`); the scores a mode
-            ranks when they are not `loc_S` (the standardised margins) travel as generation scores.
-        loc_S, scale_S (`torch.FloatTensor` of shape `(B, S, V)`):
-            Location and scale of the Cauchy decision score of every class.
-        loc_Y, scale_Y (`torch.FloatTensor` of shape `(B, S)`, *optional*):
-            Location (median) and scale of the Cauchy regression output, in the space of
-            `config.value_transform`; [`CausalQwenForCausalLM.value_interval`] maps them to values.
-        loc_U, scale_U (`torch.FloatTensor` of shape `(B, S, C)`):
-            The individual's causal representation U ~ Cauchy(loc_U, scale_U).
-        past_key_values (`Cache`, *optional*): as in Qwen2.
-        hidden_states (`tuple(torch.FloatTensor)`, *optional*): as in Qwen2.
-        attentions (`tuple(torch.FloatTensor)`, *optional*): as in Qwen2.
-    """
-
-    loss: torch.FloatTensor | None = None
-    cls_loss: torch.FloatTensor | None = None
-    reg_loss: torch.FloatTensor | None = None
-    logits: torch.FloatTensor | None = None
-    loc_S: torch.FloatTensor | None = None
-    scale_S: torch.FloatTensor | None = None
-    loc_Y: torch.FloatTensor | None = None
-    scale_Y: torch.FloatTensor | None = None
-    loc_U: torch.FloatTensor | None = None
-    scale_U: torch.FloatTensor | None = None
-    past_key_values: Cache | None = None
-    hidden_states: tuple[torch.FloatTensor, ...] | None = None
-    attentions: tuple[torch.FloatTensor, ...] | None = None
 
 
 class CausalQwenNumericEmbedding(nn.Module):
@@ -213,28 +169,6 @@ class CausalQwenAbduction(nn.Module):
                                                 query_index=query_index, cache=cache))
 
 
-@dataclass
-class CausalQwenActionOutput(ModelOutput):
-    r"""
-    Output of [`CausalQwenAction`], the heads-and-loss step. Shapes as in [`CausalQwenOutput`].
-
-    Args:
-        loss, cls_loss, reg_loss (`torch.FloatTensor` of shape `()`, *optional*): with `labels`, as in
-            [`CausalQwenOutput`].
-        loc_S, scale_S (`torch.FloatTensor` of shape `(B, S, V)`, *optional*): None when `output_distributions`
-            is off (the loss is then fused, without any `[B, S, V]` tensor).
-        loc_Y, scale_Y (`torch.FloatTensor` of shape `(B, S)`, *optional*): None without a regression head.
-    """
-
-    loss: torch.FloatTensor | None = None
-    cls_loss: torch.FloatTensor | None = None
-    reg_loss: torch.FloatTensor | None = None
-    loc_S: torch.FloatTensor | None = None
-    scale_S: torch.FloatTensor | None = None
-    loc_Y: torch.FloatTensor | None = None
-    scale_Y: torch.FloatTensor | None = None
-
-
 class CausalQwenAction(nn.Module):
     """Act on U: add exogenous noise, then decide every class (OvR) and regress the value; score them.
 
@@ -243,11 +177,8 @@ class CausalQwenAction(nn.Module):
     γ_Y = exp(`reg_log_noise`) exists only when `config.regression_noise > 0`.
 
     Every use of the heads goes through this module: the forward pass and its loss (`forward`), generation and
-    metrics (`head_inputs`, `classify`, `regress`, `margin`), so that each formula is written once. `forward` is
-    also where sharding engines gather the heads' weights. It reads `cls_head.weight` and `reg_head.weight` without
-    calling those modules, so FSDP must gather them with the action network (accelerate's FSDP2 puts it in the
-    root's unit, docs/training.md), and DeepSpeed ZeRO-3 must know them as external parameters of this module
-    (`register_zero3_heads`, done when the model is built under ZeRO-3 and by `CausalQwenTrainer`).
+    metrics (`head_inputs`, `classify`, `regress`, `margin`), so that each formula is written once. `forward` reads
+    the heads' weights without calling the heads, so sharding engines gather them with this module (`distributed`).
     """
 
     def __init__(self, config: CausalQwenConfig):
@@ -273,8 +204,8 @@ class CausalQwenAction(nn.Module):
         return self.config.scale_min
 
     def register_zero3_heads(self) -> None:
-        """Tell DeepSpeed ZeRO-3 to gather the heads' parameters around this module's forward and backward
-        (`distributed.register_zero3_heads`). Idempotent; call it again after replacing a head."""
+        """`distributed.register_zero3_heads` (done when the model is built under ZeRO-3 and by `CausalQwenTrainer`;
+        call it again after replacing a head)."""
         register_zero3_heads(self)
 
     def forward(
@@ -289,16 +220,11 @@ class CausalQwenAction(nn.Module):
         tiling: Tiling | None = None,
         context: ContextRead | None = None,
     ) -> CausalQwenActionOutput:
-        """The heads on `(loc_U, scale_U)` `[B, S, C]`, and with `targets` the loss of docs/design.md §4.
+        """The heads on `(loc_U, scale_U)` `[B, S, C]`, and with the shifted `targets` the loss of docs/design.md §4.
 
-        Args:
-            targets: the shifted targets (`LossTargets.from_labels(labels, numeric_labels, ...)`), or None.
-            output_distributions: build `loc_S`, `scale_S` `[B, S, V]`. Off, the classification loss runs fused and
-                tiled (`loss.FusedHead`): the same loss and gradients without any `[B, S, V]` tensor.
-            loss_options: the loss's options; by default `LossOptions.from_config(self.config)`.
-            anchor: U and the abduction anchor's U⁰, for the anchor term (`loss.AnchorTerm`).
-            tiling: tiling of the fused loss (`loss.Tiling`).
-            context: the abduction's read of the context's values, for the value head (`regress`).
+        Off, `output_distributions` runs the classification loss fused and tiled (`loss.FusedHead`): the same loss
+        and gradients without any `[B, S, V]` tensor. `loss_options` default to the config's; `anchor` is U and the
+        abduction anchor's U⁰ (`loss.AnchorTerm`), `context` the abduction's read of the context's values (`regress`).
         """
         check_zero3_heads(self)
         scale = self.noisy_scale(scale_u)
@@ -428,9 +354,8 @@ class CausalQwenPreTrainedModel(Qwen2PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         """Qwen2's initialisation, with the causal modules of docs/design.md §3.
 
-        The two layers of the abduction network are plain `nn.Linear`s; they are recognised by identity and
-        set to the identity map and the constant scale γ0 *instead of* the generic Linear initialisation
-        (which would mark them initialised, and the helpers would then skip them). The helpers of
+        The abduction's two `nn.Linear`s are recognised by identity and set to the identity map and the constant
+        scale γ0 *instead of* the generic Linear initialisation (which would mark them initialised). The helpers of
         `transformers.initialization` leave tensors loaded from a checkpoint untouched.
         """
         config = self.config
@@ -470,15 +395,18 @@ class CausalQwenModel(Qwen2Model):
     _keys_to_ignore_on_load_unexpected = [r"^(numeric_embedding|abduction|abduction_anchor|action)\."]
 
 
-class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel):
+class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenLoadingMixin, KeepsOwnForward,
+                            CausalQwenPreTrainedModel):
     """A drop-in for `Qwen2ForCausalLM` that reads numbers as values and decides with OvR Cauchy heads.
 
     State-dict layout (a public contract): `model.*` is the Qwen2 backbone with Qwen2's key names;
     `numeric_embedding.{w_num,d_num}`; `abduction.{loc_net,scale_net}`;
     `action.{cls_head,reg_head,b_noise,threshold}` (and `action.reg_log_noise` with `regression_noise > 0`);
-    with an abduction anchor, `abduction_anchor.*`. Generation lives in [`CausalQwenGenerationMixin`], conversion
-    from Qwen in `causal_qwen.conversion`.
+    with an abduction anchor, `abduction_anchor.*`. Generation lives in [`CausalQwenGenerationMixin`], loading and
+    saving in [`loading.CausalQwenLoadingMixin`], conversion from Qwen in `causal_qwen.conversion`.
     """
+
+    _backbone_class = CausalQwenModel
 
     def __init__(self, config: CausalQwenConfig):
         super().__init__(config)
@@ -494,17 +422,6 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
         self.post_init()
         self.apply_freeze_backbone()
         bind_model(config, self)
-
-    def __setstate__(self, state) -> None:
-        # A copy (copy.deepcopy, pickle) has a config of its own, whose edits must reach the copy.
-        super().__setstate__(state)
-        bind_model(self.config, self)
-
-    def _config_field_changing(self, name: str, old, new) -> None:
-        check_config_edit(self, name, old, new)  # refuses an edit of a field that decides the model's modules
-
-    def _config_field_changed(self, name: str) -> None:
-        fill_from_config(self, name)  # fills the tensors the field initialises
 
     @can_return_tuple
     def forward(
@@ -525,24 +442,10 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
     ) -> CausalQwenOutput:
         r"""Qwen2's forward, with the numbers' values in and the causal heads out ([docs/api.md](docs/api.md#forward)).
 
-        Args:
-            numeric_values (`torch.Tensor` of shape `(B, S)`, *optional*): the value of each `<NUM>`, 0 elsewhere
-                (float64 keeps every digit); a value at another id raises `ValueError`.
-            labels (`torch.LongTensor` of shape `(B, S)`, *optional*): next-token targets, unshifted, −100 where no
-                loss is wanted.
-            numeric_labels (`torch.Tensor` of shape `(B, S)`, *optional*): true values read where a label is
-                `<NUM>`; defaults to `numeric_values`.
-            logits_to_keep (`int` or `torch.Tensor`): the positions whose heads are computed; ignored with labels.
-            output_distributions (`bool`, *optional*): return `loc_S`/`scale_S` (and `logits`); by default not in a
-                training step with labels, which takes the fused path (same loss and gradients, no `[B, S, V]`).
-            generation_state (`CausalGenerationState`, *optional*): set by `generate`; the heads then run in its mode
-                at the positions kept (`generation.ModeDecisions.decide`), and `loc_S` (= `logits`) etc. are the mode's.
-            kwargs: to the backbone, but for `shift_labels`, `shift_numeric_labels` (context parallelism) and the
-                step's counts `num_items_in_batch`, `num_numbers_in_batch` (`Trainer`): `LossTargets.from_labels`.
-
-        Returns:
-            [`CausalQwenOutput`].
-        """
+        `numeric_values` `[B, S]`: the value of each `<NUM>`, 0 elsewhere. `labels`: unshifted, −100 where no loss is
+        wanted; `numeric_labels` (default `numeric_values`): the values read where a label is `<NUM>`. A training
+        step's loss is fused (`loc_S`, `scale_S`, `logits` None) unless `output_distributions`. `generation_state`
+        (set by `generate`) runs the heads in its mode. `kwargs` go to the backbone, but for the loss's keywords."""
         # Keywords, not parameters: Trainer takes each forward parameter named "*label*" for a label it must be given.
         loss_kwargs = {name: kwargs.pop(name, None) for name in _LOSS_KEYWORDS}
         check_forward_inputs(self.config, input_ids, numeric_values, inputs_embeds, labels, numeric_labels,
@@ -550,34 +453,27 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
         has_targets = labels is not None or loss_kwargs["shift_labels"] is not None
         numeric_labels = numeric_labels if numeric_labels is not None else numeric_values
         targets = LossTargets.from_labels(labels, numeric_labels, **loss_kwargs) if has_targets else None
-        # Under a sharding engine every rank must run the same collectives, so every training batch goes through
-        # the numeric embedding (and so backpropagates through the backbone), numbers or not.
-        same_graph = self.training and has_targets and sharded_training()
+        # Every rank of a sharding engine must run the same collectives: every training batch takes the embedding.
+        training_step = self.training and has_targets
+        same_graph = training_step and sharded_training()
         if inputs_embeds is None:
-            inputs_embeds = self.model.embed_tokens(input_ids)
-            if self.numeric_embedding is not None:
-                inputs_embeds = self.numeric_embedding(inputs_embeds, input_ids, numeric_values,
-                                                       keep_in_graph=same_graph)
-
+            inputs_embeds = self._embed(input_ids, numeric_values, same_graph)
         outputs = self.model(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
                              past_key_values=past_key_values, use_cache=use_cache, **kwargs)
-        new_states = outputs.last_hidden_state
         kept = 0 if has_targets else logits_to_keep
-        hidden_states = keep_positions(new_states, kept)
+        hidden_states = keep_positions(outputs.last_hidden_state, kept)
         loc_u, scale_u = self.abduction(hidden_states)
         cache = outputs.past_key_values if outputs.past_key_values is not None else past_key_values
-        context = self.abduction.read_context(new_states, input_ids, numeric_values, kept, cache)
-
+        context = self.abduction.read_context(outputs.last_hidden_state, input_ids, numeric_values, kept, cache)
         if generation_state is not None:
             # The mode's own scores reach the loop as scores (generation.DecisionScores); logits stay its loc_S.
             heads = CausalQwenActionOutput(**generation_state.decide(self.action, loc_u, scale_u, context))
             loc_u, scale_u = (t[:, -heads.loc_S.shape[1]:] for t in (loc_u, scale_u))  # the positions it decided
         else:
-            # A training step needs only the loss: by default the fused path, which never builds the [B, S, V] head.
-            full = output_distributions if output_distributions is not None else not (has_targets and self.training)
+            full = output_distributions if output_distributions is not None else not training_step
             anchor = self._anchor(hidden_states, loc_u, scale_u) if has_targets else None
             heads = self.action(loc_u, scale_u, targets, output_distributions=full, anchor=anchor, context=context)
-            if has_targets and self.training and not same_graph:
+            if training_step and not same_graph:
                 # A batch without numbers leaves the numeric embedding out of the graph (docs/design.md §4); under a
                 # sharding engine it is in it already, and its parameters are not read outside its forward.
                 heads.loss = heads.loss + keep_in_graph(self.numeric_embedding)
@@ -588,6 +484,14 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
             past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
         )
 
+    def _embed(self, input_ids: torch.Tensor, numeric_values: torch.Tensor | None, same_graph: bool) -> torch.Tensor:
+        """The input embedding `[B, S, H]`: the backbone's token embedding, plus the numbers' (when `use_numeric`);
+        `same_graph` keeps the numeric embedding in the graph of a batch without numbers."""
+        inputs_embeds = self.model.embed_tokens(input_ids)
+        if self.numeric_embedding is None:
+            return inputs_embeds
+        return self.numeric_embedding(inputs_embeds, input_ids, numeric_values, keep_in_graph=same_graph)
+
     def _anchor(self, hidden_states: torch.Tensor, loc_u: torch.Tensor, scale_u: torch.Tensor) -> AnchorTerm | None:
         """U and U⁰ of the frozen abduction anchor, for the anchor term (docs/design.md §7); None without one."""
         with torch.no_grad():
@@ -595,33 +499,13 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
         return AnchorTerm(loc_u, scale_u, *anchor) if anchor is not None else None
 
     def enable_abduction_finetuning(self, anchor_weight: float = 1.0, reset_anchor: bool = False) -> None:
-        """Train the abduction network only, anchored to where it starts (docs/design.md §7).
-
-        Every parameter but `abduction.loc_net` and `abduction.scale_net` is frozen; a frozen copy of the current
-        abduction network becomes `abduction_anchor`, and the loss gains `anchor_weight` times the mean over
-        labelled positions of Σ_c KL(Cauchy(loc_U, scale_U) ‖ Cauchy(loc_U⁰, scale_U⁰)), which is 0 at the start
-        and keeps U close to the base abduction (a guard against forgetting when adapting to a new domain).
-        An anchor the model already has (e.g. loaded with a checkpoint saved mid-way) is kept unless
-        `reset_anchor=True`.
-        """
-        if not anchor_weight >= 0:
-            raise ValueError(f"anchor_weight must be a non-negative number, got {anchor_weight}")
-        self.requires_grad_(False)
-        self.abduction.requires_grad_(True)
-        if self.abduction.context_values is not None:  # started and refitted from data, not trained (§1b)
-            self.abduction.context_values.requires_grad_(False)
-        if anchor_weight == 0:
-            self.abduction_anchor = None
-        elif self.abduction_anchor is None or reset_anchor:
-            # The copy shares the model's config (the memo), so that it follows later edits of scale_min.
-            self.abduction_anchor = copy.deepcopy(self.abduction, {id(self.config): self.config}).requires_grad_(False)
-        self.config.abduction_anchor_weight = float(anchor_weight)
+        """Train the abduction network only, anchored by a KL term to a frozen copy of where it starts (docs/design.md
+        §7; `finetuning.enable_abduction_finetuning`). An anchor the model has is kept unless `reset_anchor`."""
+        enable_abduction_finetuning(self, anchor_weight, reset_anchor)
 
     def apply_freeze_backbone(self) -> None:
         """Set `requires_grad` of the backbone from `config.freeze_backbone`, and keep any anchor frozen."""
-        self.model.requires_grad_(not self.config.freeze_backbone)
-        if self.abduction_anchor is not None:
-            self.abduction_anchor.requires_grad_(False)
+        apply_freeze_backbone(self)
 
     def ovr_probabilities(self, loc_s: torch.Tensor, scale_s: torch.Tensor) -> torch.Tensor:
         """P_k = P(S_k > C_k) for decision scores `[..., V]`."""
@@ -630,14 +514,12 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
     def value_interval(
         self, loc_y: torch.Tensor, scale_y: torch.Tensor, coverage: float = 0.9
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Median and central `coverage` interval of the predicted value, in value space.
+        """`(median, lower, upper)`: the median and central `coverage` interval of the value, float64 tensors of the
+        shape of `loc_y`, in value space.
 
         Quantiles commute with the monotone `value_transform`, so these are exact. They are computed in float64
-        whatever the dtype of `loc_y` (a bf16 quantile is off by a factor of two at 99%), and returned in float64:
-        a bound past float64's range is ±inf, and every coverage in (0, 1) gives lower ≤ median ≤ upper.
-
-        Returns:
-            `(median, lower, upper)`, float64 tensors of the shape of `loc_y`.
+        whatever the dtype of `loc_y` (a bf16 quantile is off by a factor of two at 99%): a bound past float64's
+        range is ±inf, and every coverage in (0, 1) gives lower ≤ median ≤ upper.
         """
         # MPS has no float64: such tensors are moved to the CPU for the interval.
         device = loc_y.device if loc_y.device.type != "mps" else torch.device("cpu")
@@ -648,50 +530,6 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenPreTrainedModel
     def to_value(self, y: torch.Tensor) -> torch.Tensor:
         """Map a point of the regression head's space back to a value (the inverse of `value_transform`)."""
         return untransform_values(y, self.config.value_transform)
-
-    @classmethod
-    def from_pretrained(cls, *args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, keeping the model the one its config says (`causal_qwen.loading`).
-
-        A field that only fills tensors when the model is built (`loading.FILLED_TENSORS`), given here or changed by
-        a `config=` from the saved config, fills them over the checkpoint's; a checkpoint that lacks one of
-        CausalQwen's own tensors raises a `ValueError` naming them, instead of their being drawn afresh.
-        """
-        with load_fills(args, kwargs) as filled:
-            result = super().from_pretrained(*args, **kwargs)
-        model = result[0] if isinstance(result, tuple) else result
-        if isinstance(model, CausalQwenForCausalLM):
-            # Loading replaces the parameters that `__init__` froze, so freeze again once they are in place.
-            model.apply_freeze_backbone()
-            for name in sorted(filled):
-                fill_from_config(model, name)
-        return result
-
-    def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
-        super()._adjust_missing_and_unexpected_keys(loading_info)
-        check_missing_keys(self, loading_info.missing_keys)
-
-    def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs):
-        """`PreTrainedModel.save_pretrained`, plus a model card (README.md) when the folder has none.
-
-        A model whose code is saved beside the weights (`register_for_auto_class`, done by `import causal_qwen`)
-        also names its backbone for `AutoModel` in the config's `auto_map`, as the registered `AutoModel` does.
-        """
-        if self._auto_class is not None:
-            auto_map = dict(getattr(self.config, "auto_map", None) or {})
-            backbone = CausalQwenModel
-            auto_map.setdefault("AutoModel", f"{backbone.__module__.rsplit('.', 1)[-1]}.{backbone.__name__}")
-            self.config.auto_map = auto_map
-        result = super().save_pretrained(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True):
-            write_model_card(save_directory, self.config)
-        return result
-
-    def __setattr__(self, name: str, value) -> None:
-        # TRL's trainers install a softmax LM head over the bare backbone as `forward`: refused (docs/design.md §10).
-        if name == "forward" and not check_forward_replacement(value):
-            return
-        super().__setattr__(name, value)
 
     def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
                                 mean_resizing: bool = True) -> nn.Embedding:

@@ -25,9 +25,9 @@ from transformers import Trainer
 from trl import SFTConfig, SFTTrainer
 from trl.data_utils import is_conversational
 
-from ..checks import keeping_own_forward
 from ..data.collator import CausalQwenDataCollator
 from ..data.texts import tokenize_examples
+from ..forward_guard import keeping_own_forward
 from ..training import CausalQwenTrainer, _check_not_empty
 
 __all__ = ["CausalQwenSFTTrainer"]
