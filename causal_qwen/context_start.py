@@ -6,7 +6,8 @@ it fits a path of the same form on those coordinates (Adam on the value's Cauchy
 docs/design.md §4, with the read-out `w_reg`, `b_reg` and γ_Y as the ridge start left them), keeps the step of least
 NLL on held-out rows, and writes it back into the model's path as maps of z (a map of the coordinates is a map of
 z). Where the path does not beat the linear read-out alone on the held-out rows, it starts as the linear read-out
-(the copies and combinations at weight ≈ 0, ρ = 1), and the record says so.
+(the copies and combinations at weight ≈ 0, ρ = 1), and the record says so. Its widths are then calibrated on the
+held-out rows (`_calibrate_width`).
 
 The rows are the positions whose next label is `<NUM>` (the value head's rows), each with the features and the
 values of the `<NUM>` tokens of its text up to it (the latest `max_context`).
@@ -22,7 +23,7 @@ import torch
 from .cauchy import nll
 from .context_values import LINEAR_ONLY_SCORE, MAX_LOG_WIDTH, CausalQwenContextValues
 
-__all__ = ["ContextRows", "fit_context_values", "linear_weights"]
+__all__ = ["ContextRows", "fit_context_values"]
 
 MAX_CONTEXT = 16
 """Earlier numbers each row keeps (the latest ones) for the start; the model itself reads all of them."""
@@ -176,22 +177,6 @@ def _calibrate_width(small, transform, held_out, noise: float, floor: float) -> 
         optimizer.step(closure)
     shift = shift.detach()
     return shift if torch.isfinite(shift).all() else torch.zeros_like(shift)
-
-
-@torch.no_grad()
-def linear_weights(model, rows: ContextRows, chunk: int = 256) -> torch.Tensor:
-    """π_0, the weight the model's path gives the linear read-out, at each row `[N]` (float64, on the CPU)."""
-    path: CausalQwenContextValues = model.abduction.context_values
-    weight = next(path.parameters())
-    queries, keys, values, present = rows.stacked(len(rows.queries))
-    out = []
-    for lo in range(0, len(queries), chunk):
-        part = [t[lo:lo + chunk].to(weight.device) for t in (queries, keys, values, present)]
-        q, k, v, p = part
-        key_maps, entries = path.entries(k.to(weight.dtype), p, v, model.config.value_transform)
-        read = path.read(q.to(weight.dtype)[:, None], key_maps, entries, p[:, None], model.config.value_transform)
-        out.append(read.linear_weight[:, 0].cpu())
-    return torch.cat(out)
 
 
 @torch.no_grad()

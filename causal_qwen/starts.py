@@ -38,7 +38,7 @@ import torch
 
 from .cauchy import linear, transform_values
 from .checks import check_positive_finite
-from .context_start import ContextRows, fit_context_values, linear_weights
+from .context_start import ContextRows, fit_context_values
 from .context_values import CausalQwenContextValues
 from .labels import IGNORE_INDEX, next_token_targets
 
@@ -428,19 +428,14 @@ def refit_value_readout(
     every evaluation and checkpoint and at the end of training ([`ValueHeadStartCallback`]). The `<NUM>` decision
     and `config.value_head_fit` (the record of the start) are left as they are.
 
-    With the context-value path (docs/design.md §1b), the read-out is fitted on the rows where the path weighs it at
-    least ½, and the path is fitted again after it (`context_start.fit_context_values`): like the read-out, its
-    small, precise weights on the backbone's features do not survive Adam's per-coordinate steps, so training holds
-    it out of the optimizer with the read-out.
+    With the context-value path (docs/design.md §1b), the path is fitted again after the read-out, as at the start
+    (`context_start.fit_context_values`): like the read-out, its small, precise weights on the backbone's features
+    do not survive Adam's per-coordinate steps, so training holds it out of the optimizer with the read-out. Fitting
+    the read-out on every row, as the start does, rather than only where the path weighs it most, kept more of the
+    start on Qwen2.5-0.5B after 12 steps (docs/experiments.md).
     """
     rows = _read_rows_in_eval(model, batches, max_positions, 0, "refit_value_readout")
     x, y = rows.x, rows.y
-    if rows.context is not None:
-        # With the context-value path, the read-out serves the rows where the path weighs it most (π_0 ≥ ½); a row
-        # the path copies or computes would pull it towards a value it is not asked for there.
-        served = linear_weights(model, rows.context) >= 0.5
-        if int(served.sum()) >= 3:
-            x, y = x[served[:len(x)]], y[served[:len(y)]]
     penalty, error, noise = _write_readout(model, x, y, penalties)
     path = {}
     if rows.context is not None:

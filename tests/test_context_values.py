@@ -263,11 +263,10 @@ def test_the_start_from_data_fits_the_path_to_copy(tiny_qwen):
     (without, _), (with_path, fit) = results[False], results[True]
     assert fit.context_step > 0 and fit.context_nll < fit.context_nll_linear
     assert without > 0.3 and with_path < 0.05, (without, with_path)
-    # Refitting the read-out (as training does before each evaluation) uses the rows the path leaves to it: the
-    # 192 first numbers of the texts (no number before them: π_0 = 1), not the 192 repeats it copies (all but a few,
-    # whose value the linear read-out gives as well); and the copies stay.
+    # Refitting (as training does before each evaluation) fits the read-out on all 384 rows and the path after it,
+    # as the start does; and the copies stay.
     refit = refit_value_readout(model, _repeat_batches(12, seed=1))
-    assert 192 <= refit.positions < 192 + 10
+    assert refit.positions == 384 and refit.context_step > 0
     assert _repeat_error(model, _repeat_batches(3, seed=2)) < 0.05
 
 
