@@ -435,13 +435,18 @@ def refit_value_readout(
     start on Qwen2.5-0.5B after 12 steps (docs/experiments.md).
     """
     rows = _read_rows_in_eval(model, batches, max_positions, 0, "refit_value_readout")
-    x, y = rows.x, rows.y
-    penalty, error, noise = _write_readout(model, x, y, penalties)
-    path = {}
+    return ValueHeadFit(**_fit_value_side(model, rows, penalties))
+
+
+def _fit_value_side(model, rows: _StartRows, penalties: Sequence[float]) -> dict:
+    """The ridge read-out, then the context-value path after it: the start's value side, which every refit repeats.
+    Returns the [`ValueHeadFit`] fields of both."""
+    penalty, error, noise = _write_readout(model, rows.x, rows.y, penalties)
+    fields = {"positions": int(rows.x.shape[0]), "penalty": penalty, "loo_median_abs_error": error,
+              "regression_noise": noise}
     if rows.context is not None:
-        path = fit_context_values(model, rows.context, rows.x, rows.x_scale, rows.y)
-    return ValueHeadFit(positions=int(x.shape[0]), penalty=penalty, loo_median_abs_error=error,
-                        regression_noise=noise, **path)
+        fields.update(fit_context_values(model, rows.context, rows.x, rows.x_scale, rows.y))
+    return fields
 
 
 @torch.no_grad()
@@ -483,10 +488,7 @@ def fit_value_head(
     rows = _read_rows_in_eval(model, batches, max_positions, max_decision_positions if num_row else 0,
                               "fit_value_head")
     action = model.action
-    penalty, error, noise = _write_readout(model, rows.x, rows.y, penalties)
-    decision, path = {}, {}
-    if rows.context is not None:
-        path = fit_context_values(model, rows.context, rows.x, rows.x_scale, rows.y)
+    value_side, decision = _fit_value_side(model, rows, penalties), {}
     if num_row:
         num_id = model.config.num_token_id
         row = action.cls_head.weight[num_id]
@@ -499,7 +501,6 @@ def fit_value_head(
                     "num_bias_offset": delta_b, "num_f1_before": f1_before, "num_f1_after": f1_after}
         row += delta_w.to(row)
         action.cls_head.bias[num_id] += delta_b
-    fit = ValueHeadFit(positions=int(rows.x.shape[0]), penalty=penalty, loo_median_abs_error=error,
-                       regression_noise=noise, **decision, **path)
+    fit = ValueHeadFit(**value_side, **decision)
     model.config.value_head_fit = fit.to_dict()
     return fit
