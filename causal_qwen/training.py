@@ -171,7 +171,8 @@ class ValueHeadStartCallback(TrainerCallback):
     of training, so evaluation metrics, saved checkpoints and the trained model never hold a stale read-out. A
     least-squares read-out does not survive Adam's per-coordinate steps (docs/training.md, "Training keeps the
     start"). Resuming from a checkpoint keeps it. Under FSDP and DeepSpeed, which split or copy the parameters, the
-    read-out trains as the other heads do (no refit).
+    read-out trains as the other heads do (no refit). At the end of a run that started at step 0, features that
+    score worse on the refit's held-out rows than the start's are restored (`kept_trained_features` False).
 
     Under FSDP or DeepSpeed the engine splits or copies the parameters when training starts, before
     `on_train_begin`; `CausalQwenTrainer.train` then calls `fit_unwrapped` on the bare model first.
@@ -190,6 +191,10 @@ class ValueHeadStartCallback(TrainerCallback):
         sharded = bool(getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False))
         self.refit_readout = refit_readout and not sharded
         self.refits: list[tuple[int, object]] = []  # (global step, ValueHeadFit) of each refit
+        # Whether the trained features were kept at the end (None: not decided, e.g. no refit or a resumed run).
+        self.kept_trained_features: bool | None = None
+        self._start_features: dict[str, torch.Tensor] | None = None
+        self._start_score: float | None = None
         self._held: list[nn.Parameter] = []
         self._refitted_step: int | None = None
         self.hold_readout()
@@ -203,7 +208,10 @@ class ValueHeadStartCallback(TrainerCallback):
             self._held.append(param)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self._fit(self.trainer.model if model is None else model, state.global_step > 0)
+        model = self.trainer.model if model is None else model
+        self._fit(model, state.global_step > 0)
+        if state.global_step == 0:
+            self._keep_start_features(model)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if control.should_evaluate or control.should_save or state.global_step >= state.max_steps:
@@ -217,6 +225,7 @@ class ValueHeadStartCallback(TrainerCallback):
         model = self.trainer.model if model is None else model
         if self._refitted_step != state.global_step or args.load_best_model_at_end:
             self._refit(model, state.global_step)
+        self._restore_start_features_if_worse(model, state.global_step)
         for param in self._held:
             param.requires_grad_(True)
         self._held.clear()
@@ -271,11 +280,62 @@ class ValueHeadStartCallback(TrainerCallback):
         self.refits.append((step, fit))
         self._refitted_step = step
 
+    def _keep_start_features(self, model) -> None:
+        """Keep a copy of the features the value side reads, and the start's held-out score, to compare at the end."""
+        if not self.refit_readout or not _has_value_head(model):
+            return
+        fit = self.fit
+        if fit is None:  # fitted before training (config.value_head_fit): the start's score is a refit's
+            self._refit(model, 0)
+            fit = self.refits[-1][1] if self.refits else None
+        if fit is None:
+            return
+        self._start_score = _held_out_score(fit)
+        self._start_features = {name: param.detach().to("cpu", copy=True) for name, param in _feature_parameters(model)}
+
+    def _restore_start_features_if_worse(self, model, step: int) -> None:
+        """Training moves the features of the value side (the numeric embedding, the abduction network) by what the
+        whole loss asks of them, and on Qwen2.5-0.5B 12 steps left them predicting the corpus's values worse than at
+        the start even with the read-out fitted again (docs/experiments.md). Where the final refit scores worse on
+        the held-out rows than the start did, the start's features come back and the value side is fitted to them
+        again, which gives the start's value side exactly; where it scores better, training keeps what it learnt."""
+        if self._start_features is None or not self.refits or self.refits[-1][0] != step:
+            return
+        worse = _from_process_zero(_held_out_score(self.refits[-1][1]) > self._start_score)
+        self.kept_trained_features = not worse
+        if not worse:
+            return
+        with torch.no_grad():
+            for name, param in _feature_parameters(model):
+                param.copy_(self._start_features[name].to(param.device, param.dtype))
+        self._refitted_step = None
+        trained = self.refits.pop()  # the record of this step is the refit the model now holds
+        self._refit(model, step)
+        if len(self.refits) < 1 or self.refits[-1][0] != step:
+            self.refits.append(trained)
+        if self.trainer.is_world_process_zero():
+            logger.warning("The trained numeric embedding and abduction network predicted the training data's held-out "
+                           "values worse than at the start: they were restored to the start's, with its value side.")
+
     def _skip_refits(self, message: str) -> None:
         """Data without numbers has no read-out to fit: say so once, and refit nothing more."""
         self.refit_readout = False
         if self.trainer.is_world_process_zero():
             logger.warning(message)
+
+
+def _held_out_score(fit) -> float:
+    """What a start or a refit scores on the rows it held out: the value's NLL with the context-value path, else the
+    read-out's leave-one-out median absolute error. Lower is better."""
+    return fit.context_nll if fit.context_nll is not None else fit.loo_median_abs_error
+
+
+def _feature_parameters(model) -> list[tuple[str, nn.Parameter]]:
+    """The trainable parameters of the features the value side reads: the numeric embedding and the abduction
+    network, without the context-value path (which every refit fits again)."""
+    return [(name, param) for name, param in model.named_parameters()
+            if param.requires_grad and ".context_values." not in f".{name}"
+            and any(f".{owner}." in f".{name}" for owner in ("numeric_embedding", "abduction"))]
 
 
 def _from_process_zero(value):

@@ -3,11 +3,12 @@ after training with the defaults.
 
 One converted Qwen2.5-0.5B per arm (`from_qwen(folder, context_values=...)`, every other default), started by
 `fit_value_head` on the training texts of `run_experiment.py`'s profile (the corpus templates and the real tables
-mixed; for the path this is `context_start.fit_context_values`; the `<NUM>` decision's start is left out, as it does
-not change a teacher-forced value), then trained `--steps` steps by
+mixed; for the path this is `context_start.fit_context_values`), then trained `--steps` steps by
 `CausalQwenTrainer` at its defaults on the same texts in the same order (0: the start only). Measured on the test
 splits: the target's median relative error per template (teacher-forced median at the position before the target's
-`<NUM>`), their mean, and the 50% / 90% interval coverage.
+`<NUM>`), their mean, and the 50% / 90% interval coverage; on the test texts, next-token accuracy, num_f1 and OvR
+perplexity over every position. `--scales` changes the per-module learning rates of the training (an arm of the
+mechanism that keeps the start).
 
     python experiments/context_path.py --output runs/context_path                 # the start only
     python experiments/context_path.py --steps 12 --output runs/context_path      # and after 12 steps
@@ -43,6 +44,8 @@ def measure(model, tokenizer, data: dict, batch: int) -> dict:
         results[split] = {"per_template": experiment.per_template(targets["median"], targets["examples"]),
                           "pooled": statistics.median(errors) if errors else float("nan"),
                           **experiment.interval_metrics(targets)}
+    # num_f1, next-token accuracy and OvR perplexity on the test texts (docs/design.md §6).
+    results["test"]["positions"] = experiment.causal_positions(model, tokenizer, data["test"], batch, 0)
     return results
 
 
@@ -51,15 +54,14 @@ def run_arm(on: bool, profile, tokenizer, data: dict, args) -> dict:
     model = experiment.new_causal(profile, tokenizer, args.seed, context_values=on).eval()
     collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
     features = tokenize_examples(tokenizer, [ex.text for ex in data["train"]])
-    # The <NUM> decision's start (num_row) reads the [V, C] head at 8,192 positions and does not change a value
-    # measured teacher-forced: it is left out here.
-    fit = fit_value_head(model, experiment.collated(collator, features, profile.eval_batch), num_row=False)
+    # The start a user gets (as `CausalQwenTrainer` makes it), the <NUM> decision's included: num_f1 is measured.
+    fit = fit_value_head(model, experiment.collated(collator, features, profile.eval_batch))
     arm = {"fit": fit.to_dict(), "start": measure(model, tokenizer, data, profile.eval_batch),
            "start_seconds": time.perf_counter() - t0}
     print(f"context_values={on}: start measured, {arm['start_seconds']:.0f}s", flush=True)
     if args.steps:
         trainer = experiment.train_causal(model, tokenizer, data["train"], profile, Path(args.output) / f"on={on}",
-                                          args.seed, steps=args.steps)
+                                          args.seed, steps=args.steps, scales=json.loads(args.scales))
         arm["refits"] = [(step, fit.to_dict()) for step, fit in trainer.value_head_start.refits]
         arm["trained"] = measure(model, tokenizer, data, profile.eval_batch)
         print(f"context_values={on}: trained {args.steps} steps, {time.perf_counter() - t0:.0f}s", flush=True)
@@ -85,6 +87,14 @@ def table(results: dict) -> str:
             errors = " | ".join(f"{cell['per_template'][t]:.3g}" for t in templates)
             coverage = f"{cell['reg_coverage_50']:.2f} / {cell['reg_coverage_90']:.2f}"
             lines.append(f"| {name} | {errors} | {cell['pooled']:.3g} | {coverage} |")
+    lines += ["\ntest texts, every position: next-token accuracy, num_f1, OvR perplexity",
+              "| arm | accuracy | num_f1 | ppl_ovr |", "|---|---|---|---|"]
+    for on, arm in results["arms"].items():
+        for stage in ("start", "trained", "restarted"):
+            if stage in arm and "positions" in arm[stage]["test"]:
+                cell = arm[stage]["test"]["positions"]
+                lines.append(f"| context_values={on}, {stage} | {cell['eval/accuracy']:.4f} | "
+                             f"{cell['eval/num_f1']:.3f} | {cell['eval/ppl_ovr']:.4g} |")
     return "\n".join(lines)
 
 
@@ -95,6 +105,8 @@ def main() -> None:
     parser.add_argument("--arms", default="off,on", help="off, on or both")
     parser.add_argument("--restart", action="store_true",
                         help="after training, also fit the value head from scratch (the start's procedure) and measure")
+    parser.add_argument("--scales", default="{}",
+                        help='learning-rate multiples over the defaults, JSON (e.g. \'{"numeric_embedding": 1e-9}\')')
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="runs/context_path")
     args = parser.parse_args()

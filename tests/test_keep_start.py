@@ -102,6 +102,7 @@ def test_training_from_the_start_does_not_raise_the_held_out_value_loss(tiny_qwe
     assert not optimized & {id(model.action.reg_head.weight), id(model.action.reg_head.bias)}
     assert id(model.numeric_embedding.w_num) in optimized
     assert start.nll is not None and value_nll(model, held_out) <= start.nll
+    assert trainer.value_head_start.kept_trained_features is not None  # the end compared the features with the start's
     # The read-out ends fitted to the trained loc_U, and trains again outside this trainer.
     assert_readout_is_the_ridge_of(model, train)
     assert [step for step, _ in trainer.value_head_start.refits] == [24]
@@ -138,6 +139,55 @@ def test_training_with_the_context_path_keeps_the_start(tiny_qwen, tmp_path):
     fit = model.config.value_head_fit
     assert fit["context_step"] > 0 and fit["context_nll"] < fit["context_nll_linear"], fit
     assert model_value_nll(model, held_out) <= at_start["nll"]
+
+
+def test_features_that_train_worse_than_the_start_are_restored(tiny_qwen, tmp_path):
+    """Features that end worse for the value than at the start (here the abduction's map zeroed after the last step,
+    as a bad run could leave it) come back to the start's, with the start's value side: the model then predicts
+    held-out values exactly as right after the start. Features that end no worse are kept."""
+    train, held_out = related(256, seed=1), related(64, seed=2)
+    at_start = {}
+
+    class Start(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if not at_start:
+                at_start.update(nll=model_value_nll(model, held_out), w_num=model.numeric_embedding.w_num.clone(),
+                                loc_net=model.abduction.loc_net.weight.clone(),
+                                loc_y=eval_forward(model, held_out)[0].loc_Y)
+
+    class Scramble(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step == state.max_steps:
+                with torch.no_grad():  # loc_U no longer depends on z: the read-out has nothing left to read
+                    model.abduction.loc_net.weight.zero_()
+
+    model = fresh(tiny_qwen)
+    trainer = CausalQwenTrainer(model=model, args=args(tmp_path, 6), train_dataset=train,
+                                data_collator=CausalQwenDataCollator(0), callbacks=[Start(), Scramble()])
+    trainer.train()
+    assert trainer.value_head_start.kept_trained_features is False
+    torch.testing.assert_close(model.numeric_embedding.w_num, at_start["w_num"], rtol=0, atol=0)
+    torch.testing.assert_close(model.abduction.loc_net.weight, at_start["loc_net"], rtol=0, atol=0)
+    # The value's location is the start's; its scale moves only with b_noise, which trains with the class decisions.
+    torch.testing.assert_close(eval_forward(model, held_out)[0].loc_Y, at_start["loc_y"], rtol=1e-6, atol=1e-6)
+    assert model_value_nll(model, held_out) == pytest.approx(at_start["nll"], rel=1e-3)
+    assert [step for step, _ in trainer.value_head_start.refits] == [6]
+
+    # Features that end no worse are kept: here the abduction's map ends as it began, and w_num as trained.
+    class Unmoved(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step == state.max_steps:
+                with torch.no_grad():
+                    model.abduction.loc_net.weight.copy_(at_start["loc_net"])
+
+    at_start.clear()
+    model = fresh(tiny_qwen, context_values=True)
+    trainer = CausalQwenTrainer(model=model, args=args(tmp_path / "kept", 6), train_dataset=train,
+                                data_collator=CausalQwenDataCollator(0), callbacks=[Start(), Unmoved()],
+                                learning_rate_scales={"numeric_embedding": 1e-6, "action.cls_head": 1.0})
+    trainer.train()
+    assert trainer.value_head_start.kept_trained_features is True
+    assert not torch.equal(model.numeric_embedding.w_num, at_start["w_num"])
 
 
 def test_evaluations_and_checkpoints_see_the_refitted_readout_and_resume_keeps_it(tiny_qwen, tmp_path):
