@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from ddp_worker import NUM, dataset
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from causal_qwen import CausalQwenForCausalLM
 from causal_qwen.cauchy import symlog
@@ -295,19 +295,33 @@ def test_trainer_starts_the_value_head_then_keeps_learning(model, tmp_path):
               "b_reg": model.action.reg_head.bias.detach().clone(),
               "log_noise": model.action.reg_log_noise.detach().clone()}
     nll_start = _value_nll(model, data)
+    last_step = {}
+
+    class LastStep(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            last_step["w_num"] = model.numeric_embedding.w_num.detach().clone()
+
     trainer = CausalQwenTrainer(model=model, args=_args(tmp_path, 30), train_dataset=data,
-                                data_collator=CausalQwenDataCollator(0))
+                                data_collator=CausalQwenDataCollator(0), callbacks=[LastStep()])
     trainer.train()
     fit = trainer.value_head_start.fit
     assert fit is not None and fit.positions == 64
     assert model.config.value_head_fit == fit.to_dict()
     nll_end = _value_nll(model, data)
     assert nll_end < nll_start
-    for name, param in (("w_num", model.numeric_embedding.w_num), ("b_reg", model.action.reg_head.bias),
-                        ("log_noise", model.action.reg_log_noise)):
+    # The features trained; at the end they are kept, or restored to the start's where they predict worse.
+    assert not torch.equal(last_step["w_num"], before["w_num"]), "w_num"
+    kept = trainer.value_head_start.kept_trained_features
+    assert kept is not None
+    assert torch.equal(model.numeric_embedding.w_num.detach(), last_step["w_num"] if kept else before["w_num"])
+    for name, param in (("b_reg", model.action.reg_head.bias), ("log_noise", model.action.reg_log_noise)):
         assert not torch.equal(param.detach(), before[name]), name
-    # Training moved the head away from the fitted start too, not only the start from the fit.
-    assert model.action.reg_log_noise.exp().item() != pytest.approx(fit.regression_noise, rel=1e-6)
+    # Kept, the trained features moved the refitted head away from the start; restored, the head is the start's.
+    noise = model.action.reg_log_noise.exp().item()
+    if kept:
+        assert noise != pytest.approx(fit.regression_noise, rel=1e-6)
+    else:
+        assert noise == pytest.approx(fit.regression_noise, rel=1e-6)
 
 
 def test_trainer_does_not_refit_a_reloaded_model(model, tmp_path):
