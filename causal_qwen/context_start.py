@@ -2,12 +2,13 @@
 
 The path's scores are rank-r maps of the backbone's features z (896 dimensions in Qwen2.5-0.5B), and a few
 thousand rows cannot fit them directly. The start works in the leading principal components of z on the rows:
-it fits a path of the same form on those coordinates (Adam on the value's Cauchy NLL, the regression loss of
-docs/design.md §4, with the read-out `w_reg`, `b_reg` and γ_Y as the ridge start left them), keeps the step of least
-NLL on held-out rows, and writes it back into the model's path as maps of z (a map of the coordinates is a map of
-z). Where the path does not beat the linear read-out alone on the held-out rows, it starts as the linear read-out
-(the copies and combinations at weight ≈ 0, ρ = 1), and the record says so. Its widths are then calibrated on the
-held-out rows (`_calibrate_width`).
+it fits a path of the same form on those coordinates, with the read-out `w_reg`, `b_reg` and γ_Y as the ridge start
+left them: the locations by the mean absolute error of the value (Adam, keeping the step of least error on held-out
+rows), then the widths by the value's Cauchy NLL (the regression loss of docs/design.md §4) with the locations fixed.
+It writes the result back into the model's path as maps of z (a map of the coordinates is a map of z). Where the path
+does not beat the linear read-out alone on the held-out NLL, it starts as the linear read-out (the copies and
+combinations at weight ≈ 0, ρ = 1), and the record says so. Its widths are then calibrated on the held-out rows
+(`_calibrate_width`).
 
 The rows are the positions whose next label is `<NUM>` (the value head's rows), each with the features and the
 values of the `<NUM>` tokens of its text up to it (the latest `max_context`).

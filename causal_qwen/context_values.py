@@ -195,11 +195,25 @@ class CausalQwenContextValues(nn.Module):
         value_transform: str,
     ) -> ContextRead:
         """The read of queries `[B, T, H]` over keys `[B, L, 3r]` and entries `[B, L, 3]`, `visible` `[B, T, L]`."""
-        q, choice = self.query(queries).double(), self.choice(queries).double()
-        scores, candidates = self.candidates(q, choice, keys, entries, visible, value_transform)
-        weights = scores.softmax(-1)
+        r = self.rank
+        q = self.query(queries).double()
+        copy_q, log_q, raw_q = q.split(r, dim=-1)
+        copy_k, log_k, raw_k = keys.split(r, dim=-1)
+        y, v = entries[..., 0], entries[..., 1]
+        copy_scores = (copy_q @ copy_k.transpose(1, 2) * r ** -0.5).masked_fill(~visible, float("-inf"))
+        any_visible = visible.any(-1)
+        choice = self.choice(queries).double()
+        # The combinations exist only where there is an earlier number: without one the read is the linear law's.
+        choice = torch.cat((choice[..., :1], choice[..., 1:].masked_fill(~any_visible[..., None], float("-inf"))), -1)
+        weights = torch.cat((choice, copy_scores), -1).softmax(-1)
         linear, log_weight, raw_weight, copies = weights[..., 0], weights[..., 1], weights[..., 2], weights[..., 3:]
-        offset = (weights[..., 1:] * candidates).sum(-1)
+        mask = visible.double()
+        log_combination = ((log_q @ log_k.transpose(1, 2)) * mask) @ symlog(v)[..., None]
+        raw_combination = ((raw_q @ raw_k.transpose(1, 2)) * mask) @ v[..., None]
+        offset = (copies * mask) @ y[..., None]
+        offset = offset.squeeze(-1)
+        offset = offset + log_weight * _log_candidate(log_combination.squeeze(-1), value_transform)
+        offset = offset + raw_weight * transform_values(raw_combination.squeeze(-1), value_transform)
         summary = torch.stack((linear, copies.sum(-1), log_weight, raw_weight), -1)
         raw_width = self.width(queries).double().squeeze(-1)
         # Bounded: a width map fitted on the value rows can reach far past them at other positions, and exp of it
@@ -209,32 +223,9 @@ class CausalQwenContextValues(nn.Module):
         if self.training and torch.is_grad_enabled():
             # Every layer's output (not its parameters: a sharding engine releases a layer's parameters once the
             # layer has run) times 0, so that a loss without a value term still reaches every parameter.
-            read.in_graph = 0.0 * (q.sum() + choice.sum() + raw_width.sum()
+            read.in_graph = 0.0 * (q.sum() + choice.nan_to_num(neginf=0.0).sum() + raw_width.sum()
                                    + self.width_by_choice.sum())
         return read
-
-    def candidates(
-        self, q: torch.Tensor, choice: torch.Tensor, keys: torch.Tensor, entries: torch.Tensor, visible: torch.Tensor,
-        value_transform: str,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The scores `[B, T, 3 + L]` of the linear read-out, the two combinations and the copies (−inf where
-        there is nothing to read), and the values `[B, T, 2 + L]` in the head's space of all but the linear one,
-        from the queries' maps `q` `[B, T, 3r]` and the choice's scores `[B, T, 3]`."""
-        r = self.rank
-        copy_q, log_q, raw_q = q.split(r, dim=-1)
-        copy_k, log_k, raw_k = keys.split(r, dim=-1)
-        y, v = entries[..., 0], entries[..., 1]
-        mask = visible.double()
-        copy_scores = (copy_q @ copy_k.transpose(1, 2) * r ** -0.5).masked_fill(~visible, float("-inf"))
-        # The combinations exist only where there is an earlier number: without one the read is the linear law's.
-        nothing = ~visible.any(-1, keepdim=True)
-        choice = torch.cat((choice[..., :1], choice[..., 1:].masked_fill(nothing, float("-inf"))), -1)
-        log_combination = (((log_q @ log_k.transpose(1, 2)) * mask) @ symlog(v)[..., None]).squeeze(-1)
-        raw_combination = (((raw_q @ raw_k.transpose(1, 2)) * mask) @ v[..., None]).squeeze(-1)
-        values = torch.cat((_log_candidate(log_combination, value_transform)[..., None],
-                            transform_values(raw_combination, value_transform)[..., None],
-                            (y[:, None, :] * mask)), -1)
-        return torch.cat((choice, copy_scores), -1), values
 
 
 def _log_candidate(log_combination: torch.Tensor, transform: str) -> torch.Tensor:

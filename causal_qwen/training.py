@@ -298,7 +298,7 @@ class ValueHeadStartCallback(TrainerCallback):
         whole loss asks of them, and on Qwen2.5-0.5B 12 steps left them predicting the corpus's values worse than at
         the start even with the read-out fitted again (docs/experiments.md). Where the final refit scores worse on
         the held-out rows than the start did, the start's features come back and the value side is fitted to them
-        again, which gives the start's value side exactly; where it scores better, training keeps what it learnt."""
+        again, which gives the start's medians exactly; where it scores no worse, training keeps what it learnt."""
         if self._start_features is None or not self.refits or self.refits[-1][0] != step:
             return
         worse = _from_process_zero(_held_out_score(self.refits[-1][1]) > self._start_score)
@@ -308,11 +308,10 @@ class ValueHeadStartCallback(TrainerCallback):
         with torch.no_grad():
             for name, param in _feature_parameters(model):
                 param.copy_(self._start_features[name].to(param.device, param.dtype))
-        self._refitted_step = None
-        trained = self.refits.pop()  # the record of this step is the refit the model now holds
+        self._refitted_step, refits = None, len(self.refits)
         self._refit(model, step)
-        if len(self.refits) < 1 or self.refits[-1][0] != step:
-            self.refits.append(trained)
+        if len(self.refits) > refits:
+            del self.refits[-2]  # this step's record is the refit the model now holds
         if self.trainer.is_world_process_zero():
             logger.warning("The trained numeric embedding and abduction network predicted the training data's held-out "
                            "values worse than at the start: they were restored to the start's, with its value side.")
