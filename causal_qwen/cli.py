@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--value-head-start", action=argparse.BooleanOptionalAction, default=True,
                        help="fit the value head on the training data before the first step (default: on; "
                             "see causal_qwen.starts)")
+    train.add_argument("--train-value-features", action=argparse.BooleanOptionalAction, default=False,
+                       help="also train the numeric embedding and the abduction network the value reads (default: "
+                            "off, the value side stays its start; see docs/training.md)")
 
     evaluate = commands.add_parser("eval", help="metrics table and plots",
                                    description="Evaluate every metric (docs/design.md §6) and write PNG plots.")
@@ -343,7 +346,8 @@ def run_train(args) -> int:
     collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
     trainer = CausalQwenTrainer(model=model, args=training_args, train_dataset=train_features,
                                 eval_dataset=eval_features, data_collator=collator,
-                                value_head_start=args.value_head_start)
+                                value_head_start=args.value_head_start,
+                                train_value_features=args.train_value_features)
     trainer.train()
     model.save_pretrained(args.output)
     tokenizer.save_pretrained(args.output)

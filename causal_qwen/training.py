@@ -164,15 +164,19 @@ class ValueHeadStartCallback(TrainerCallback):
     the fit of process 0 is broadcast, so every replica starts from the same head. Data with fewer than 3 `<NUM>`
     targets (text-only data has none) cannot be fitted: the start and the refits are then skipped, with one warning.
 
-    With `refit_readout` the read-out (`w_reg`, `b_reg`, γ_Y) is held out of the optimizer (`requires_grad` False
-    from this callback's construction to the end of training, so build it before `trainer.train()`), while the
-    features it reads (the numeric embedding, the abduction network) and the `<NUM>` decision train; it is fitted
-    again to the current loc_U ([`refit_value_readout`]) before every evaluation and checkpoint save and at the end
-    of training, so evaluation metrics, saved checkpoints and the trained model never hold a stale read-out. A
-    least-squares read-out does not survive Adam's per-coordinate steps (docs/training.md, "Training keeps the
-    start"). Resuming from a checkpoint keeps it. Under FSDP and DeepSpeed, which split or copy the parameters, the
-    read-out trains as the other heads do (no refit). At the end of a run that started at step 0, features that
-    score worse on the refit's held-out rows than the start's are restored (`kept_trained_features` False).
+    With `refit_readout` the read-out (`w_reg`, `b_reg`, γ_Y, the context-value path) is held out of the optimizer
+    (`requires_grad` False from this callback's construction to the end of training, so build it before
+    `trainer.train()`): a least-squares read-out does not survive Adam's per-coordinate steps (docs/training.md,
+    "Training keeps the start"). So, unless `train_features`, are the features it reads (the numeric embedding, the
+    abduction network): on Qwen2.5-0.5B twelve steps of them never predicted a split's values better than the start
+    and lost up to a quarter of it (docs/experiments.md). The `<NUM>` decision and the rest of the classification
+    head train. Where something the value reads trains (`train_features`, an unfrozen backbone, LoRA adapters), the
+    value side is fitted again to the current loc_U ([`refit_value_readout`]) before every evaluation and checkpoint
+    save and at the end of training, so evaluation metrics, saved checkpoints and the trained model never hold a
+    stale read-out; where nothing it reads trains, it stays the start's and is not fitted again. Resuming from a
+    checkpoint keeps this. Under FSDP and DeepSpeed, which split or copy the parameters, the read-out and the
+    features train as the other heads do (no refit). At the end of a run that started at step 0, trained features
+    that score worse on the refit's held-out rows than the start's are restored (`kept_trained_features` False).
 
     Under FSDP or DeepSpeed the engine splits or copies the parameters when training starts, before
     `on_train_begin`; `CausalQwenTrainer.train` then calls `fit_unwrapped` on the bare model first.
@@ -182,14 +186,17 @@ class ValueHeadStartCallback(TrainerCallback):
         trainer.train()
     """
 
-    def __init__(self, trainer: Trainer, max_positions: int = 4096, refit_readout: bool = True):
-        if not isinstance(refit_readout, bool):
-            raise TypeError(f"refit_readout must be True or False, got {refit_readout!r}")
+    def __init__(self, trainer: Trainer, max_positions: int = 4096, refit_readout: bool = True,
+                 train_features: bool = False):
+        for name, flag in (("refit_readout", refit_readout), ("train_features", train_features)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         self.trainer = trainer
         self.max_positions = max_positions
         self.fit = None
         sharded = bool(getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False))
         self.refit_readout = refit_readout and not sharded
+        self.train_features = train_features
         self.refits: list[tuple[int, object]] = []  # (global step, ValueHeadFit) of each refit
         # Whether the trained features were kept at the end (None: not decided, e.g. no refit or a resumed run).
         self.kept_trained_features: bool | None = None
@@ -197,19 +204,26 @@ class ValueHeadStartCallback(TrainerCallback):
         self._start_score: float | None = None
         self._held: list[nn.Parameter] = []
         self._refitted_step: int | None = None
-        self.hold_readout()
+        self._features_train = True  # whether anything loc_U reads trains in this run (set when training begins)
+        self.hold_value_side()
 
-    def hold_readout(self) -> None:
-        """Take the read-out out of training (`requires_grad` False) until `on_train_end` gives it back."""
+    def hold_value_side(self) -> None:
+        """Take the read-out, and unless `train_features` the features it reads, out of training (`requires_grad`
+        False) until `on_train_end` gives them back."""
         if not self.refit_readout or not _has_value_head(self.trainer.model):
             return
-        for param in readout_parameters(self.trainer.model):
+        model = self.trainer.model
+        held = readout_parameters(model) + ([] if self.train_features else
+                                            [param for _, param in _feature_parameters(model)])
+        for param in held:
             param.requires_grad_(False)
             self._held.append(param)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         model = self.trainer.model if model is None else model
         self._fit(model, state.global_step > 0)
+        # Where nothing loc_U reads trains, the value side stays the start's: a refit would fit it again as it is.
+        self._features_train = _value_features_train(model)
         if state.global_step == 0:
             self._keep_start_features(model)
 
@@ -266,7 +280,8 @@ class ValueHeadStartCallback(TrainerCallback):
         self.fit = fit
 
     def _refit(self, model, step: int) -> None:
-        if not self.refit_readout or not _has_value_head(model) or self._refitted_step == step:
+        if (not self.refit_readout or not self._features_train or not _has_value_head(model)
+                or self._refitted_step == step):
             return
         try:
             fit, reason = refit_value_readout(model, self._train_rows(), max_positions=self.max_positions), None
@@ -282,7 +297,9 @@ class ValueHeadStartCallback(TrainerCallback):
 
     def _keep_start_features(self, model) -> None:
         """Keep a copy of the features the value side reads, and the start's held-out score, to compare at the end."""
-        if not self.refit_readout or not _has_value_head(model):
+        features = _feature_parameters(model)
+        # Held features are the start's at the end: nothing to compare.
+        if not self.refit_readout or not _has_value_head(model) or not features:
             return
         fit = self.fit
         if fit is None:  # fitted before training (config.value_head_fit): the start's score is a refit's
@@ -291,7 +308,7 @@ class ValueHeadStartCallback(TrainerCallback):
         if fit is None:
             return
         self._start_score = _held_out_score(fit)
-        self._start_features = {name: param.detach().to("cpu", copy=True) for name, param in _feature_parameters(model)}
+        self._start_features = {name: param.detach().to("cpu", copy=True) for name, param in features}
 
     def _restore_start_features_if_worse(self, model, step: int) -> None:
         """Training moves the features of the value side (the numeric embedding, the abduction network) by what the
@@ -327,6 +344,12 @@ def _held_out_score(fit) -> float:
     """What a start or a refit scores on the rows it held out: the value's NLL with the context-value path, else the
     read-out's leave-one-out median absolute error. Lower is better."""
     return fit.context_nll if fit.context_nll is not None else fit.loo_median_abs_error
+
+
+def _value_features_train(model) -> bool:
+    """Whether any parameter that loc_U depends on trains: anything outside the action network (the backbone or its
+    adapters, the numeric embedding, the abduction network) with `requires_grad`."""
+    return any(param.requires_grad and "action" not in _components(name) for name, param in model.named_parameters())
 
 
 def _feature_parameters(model) -> list[tuple[str, nn.Parameter]]:
@@ -414,19 +437,25 @@ class CausalQwenTrainer(Trainer):
     hundreds of steps. `False` trains from the head as it is.
 
     `refit_value_readout=True` (the default, with the start) keeps the value side at least as good as its start:
-    the read-out (`w_reg`, `b_reg`, γ_Y) stays out of the optimizer and is fitted again to the trained loc_U before
-    every evaluation and checkpoint and at the end of training ([`refit_value_readout`]). `False` trains the read-out
-    with the other heads, as before.
+    the read-out (`w_reg`, `b_reg`, γ_Y, the context-value path) stays out of the optimizer and is fitted again to the
+    trained loc_U before every evaluation and checkpoint and at the end of training ([`refit_value_readout`]), where
+    anything loc_U reads trains. `False` trains the read-out with the other heads, as before.
+
+    `train_value_features=False` (the default, with the refits) also holds the features the value reads (the
+    numeric embedding, the abduction network) out of the optimizer, so that with the frozen backbone the value side
+    after training is the start's; `True` trains them, and the start's come back at the end where they score worse.
     """
 
     def __init__(self, *args, learning_rate_scales: dict[str, float] | None = None, value_head_start: bool = True,
-                 refit_value_readout: bool = True, **kwargs):
+                 refit_value_readout: bool = True, train_value_features: bool = False, **kwargs):
         self.learning_rate_scales = _check_scales(
             LEARNING_RATE_SCALES if learning_rate_scales is None else learning_rate_scales)
         if not isinstance(value_head_start, bool):
             raise TypeError(f"value_head_start must be True or False, got {value_head_start!r}")
-        if not isinstance(refit_value_readout, bool):
-            raise TypeError(f"refit_value_readout must be True or False, got {refit_value_readout!r}")
+        for name, flag in (("refit_value_readout", refit_value_readout),
+                           ("train_value_features", train_value_features)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         super().__init__(*args, **kwargs)
         check_tokenizer_matches(self.model, self.processing_class)
         _warn_if_numbers_stay_digits(self.model, self.processing_class)
@@ -442,7 +471,8 @@ class CausalQwenTrainer(Trainer):
         self._loss_parts: dict[str, torch.Tensor | float] = dict.fromkeys(_LOSS_PARTS, 0.0)
         self._loss_part_steps: set[int] = set()
         self._num_numbers_in_batch: torch.Tensor | None = None  # the step's <NUM> targets (get_batch_samples)
-        self.value_head_start = (ValueHeadStartCallback(self, refit_readout=refit_value_readout)
+        self.value_head_start = (ValueHeadStartCallback(self, refit_readout=refit_value_readout,
+                                                        train_features=train_value_features)
                                  if value_head_start else None)
         if self.value_head_start is not None:
             self.add_callback(self.value_head_start)
@@ -450,7 +480,7 @@ class CausalQwenTrainer(Trainer):
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         _check_not_empty("train_dataset", self.train_dataset)
         if self.value_head_start is not None:
-            self.value_head_start.hold_readout()  # before Trainer builds the optimizer (again, on a second call)
+            self.value_head_start.hold_value_side()  # before Trainer builds the optimizer (again, on a second call)
         if self.value_head_start is not None and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             # FSDP shards the parameters, DeepSpeed copies them into its optimizer, when training starts: fit first.
             self.value_head_start.fit_unwrapped(self.model, resuming=bool(resume_from_checkpoint))

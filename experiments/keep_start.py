@@ -9,9 +9,10 @@ every default), trained by `CausalQwenTrainer` on the same pairs in the same ord
              value read-out trained by Adam with the other heads (`refit_value_readout=False`);
   low rate   the read-out trained at 0.01x the head's rate, nothing refitted;
   refit      the read-out trained at 1x, and fitted again to the trained loc_U before each evaluation and at the end;
-  default    the library's default: the read-out held out of the optimizer and fitted again before each evaluation
-             and at the end (`refit_value_readout=True`); the `<NUM>` decision started with the prompt's own next
-             tokens as negatives.
+  features   the read-out held out of the optimizer and fitted again before each evaluation and at the end, the
+             features it reads trained (`train_value_features=True`);
+  default    the library's default: the read-out and the features it reads held out of the optimizer (the value
+             side stays the start's); the `<NUM>` decision started with the prompt's own next tokens as negatives.
 
 Measured on the held-out test rows, in one process: the target's median relative error (the median loc_Y at the
 position before the target's `<NUM>`, teacher-forced, which for a causal model is what the prompt alone gives), 50% /
@@ -48,7 +49,7 @@ from causal_qwen.labels import next_token_targets  # noqa: E402
 from causal_qwen.starts import refit_value_readout  # noqa: E402
 from causal_qwen.training import LEARNING_RATE_SCALES, CausalQwenTrainer  # noqa: E402
 
-ARMS = ("old", "low rate", "refit", "default")
+ARMS = ("old", "low rate", "refit", "features", "default")
 
 
 def pair(example: NumericExample) -> dict[str, str]:
@@ -185,7 +186,8 @@ def main() -> None:
         trainer = CausalQwenTrainer(
             model=model, args=training_args, train_dataset=features, eval_dataset=held_out,
             data_collator=CausalQwenDataCollator.from_tokenizer(tokenizer), learning_rate_scales=scales,
-            refit_value_readout=arm in ("refit", "default"), callbacks=[curve])
+            refit_value_readout=arm in ("refit", "features", "default"),
+            train_value_features=arm != "default", callbacks=[curve])
         if arm == "refit":
             release_readout(trainer)
         original = starts_module.known_next_tokens
@@ -287,7 +289,7 @@ def tiny_mechanisms(out: Path, steps: int = 24) -> None:
                                                 max_position_embeddings=256, tie_word_embeddings=True)).eval()
             model = CausalQwenForCausalLM.from_qwen(qwen, num_token_id=120, ovr_threshold=1.0,
                                                     abduction_scale_init=0.1)
-            start = HeldOutAtStart(held, train, refit=arm in ("refit", "default"))
+            start = HeldOutAtStart(held, train, refit=arm in ("refit", "features", "default"))
 
             scales = {**LEARNING_RATE_SCALES, **({"action.reg_head": 0.01, "action.reg_log_noise": 1.0}
                                                   if arm == "low rate" else {})}
@@ -297,7 +299,8 @@ def tiny_mechanisms(out: Path, steps: int = 24) -> None:
                     report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
                     train_sampling_strategy="sequential"),
                 train_dataset=train, data_collator=CausalQwenDataCollator(0), learning_rate_scales=scales,
-                refit_value_readout=arm in ("refit", "default"), callbacks=[start])
+                refit_value_readout=arm in ("refit", "features", "default"),
+                train_value_features=arm != "default", callbacks=[start])
             if arm == "refit":
                 release_readout(trainer)
             trainer.train()
@@ -333,7 +336,7 @@ def release_readout(trainer) -> None:
     for param in trainer.value_head_start._held:
         param.requires_grad_(True)
     trainer.value_head_start._held.clear()
-    trainer.value_head_start.hold_readout = lambda: None
+    trainer.value_head_start.hold_value_side = lambda: None
 
 
 def merge(paths: list[Path], out: Path) -> None:

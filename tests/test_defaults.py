@@ -27,7 +27,9 @@ def code_defaults() -> dict[str, object]:
     values = {name: getattr(config, name) for name in fields}
     values["num_row_init"] = "digits"  # what from_qwen does when the tokenizer has the digits (its default)
     assert inspect.signature(CausalQwenForCausalLM.from_qwen).parameters["num_row_init"].default is None
-    values["value_head_start"] = inspect.signature(CausalQwenTrainer.__init__).parameters["value_head_start"].default
+    trainer = inspect.signature(CausalQwenTrainer.__init__).parameters
+    for name in ("value_head_start", "refit_value_readout", "train_value_features"):
+        values[name] = trainer[name].default
     values.update({f'LEARNING_RATE_SCALES["{k}"]': v for k, v in LEARNING_RATE_SCALES.items()})
     return values
 

@@ -88,12 +88,56 @@ class AtStart(TrainerCallback):
             self.nll = value_nll(model, self.held_out)
 
 
-def test_training_from_the_start_does_not_raise_the_held_out_value_loss(tiny_qwen, tmp_path):
+def value_side_parameters(model) -> dict[str, torch.Tensor]:
+    """Everything loc_Y reads apart from the frozen backbone: the numeric embedding, the abduction network (with the
+    context-value path) and the read-out, by name."""
+    owners = ("numeric_embedding.", "abduction.", "action.reg_head.", "action.reg_log_noise")
+    return {name: param for name, param in model.named_parameters() if name.startswith(owners)}
+
+
+@pytest.mark.parametrize("context_values", [False, True])
+def test_training_with_the_defaults_keeps_the_start_and_trains_the_decisions(tiny_qwen, tmp_path, context_values):
+    """By default the value read-out and the features it reads are held out of the optimizer: with the frozen
+    backbone the model predicts every held-out value's location after training exactly as right after the start,
+    with no refit, while the class decisions learn."""
+    train, held_out = related(256, seed=1), related(64, seed=2)
+    model = fresh(tiny_qwen, context_values=context_values)
+    at_start = {}
+
+    class Start(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if not at_start:
+                out = eval_forward(model, held_out)[0]
+                at_start.update(loc_y=out.loc_Y.clone(), cls=model.action.cls_head.weight.detach().clone(),
+                                nll=model_value_nll(model, held_out),
+                                params={n: p.detach().clone() for n, p in value_side_parameters(model).items()})
+
+    trainer = CausalQwenTrainer(model=model, args=args(tmp_path, 12), train_dataset=train,
+                                data_collator=CausalQwenDataCollator(0), callbacks=[Start()])
+    value_side = value_side_parameters(model)
+    assert {id(p) for p in trainer.value_head_start._held} == {id(p) for p in value_side.values()}
+    trainer.train()
+    optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert not optimized & {id(p) for p in value_side.values()}
+    assert id(model.action.cls_head.weight) in optimized
+    for name, param in value_side.items():
+        torch.testing.assert_close(param.detach(), at_start["params"][name], rtol=0, atol=0, msg=name)
+    assert not torch.equal(model.action.cls_head.weight, at_start["cls"])  # the decisions trained
+    torch.testing.assert_close(eval_forward(model, held_out)[0].loc_Y, at_start["loc_y"], rtol=0, atol=0)
+    # The widths move only with b_noise (0.01x the head's rate, shared with the class decisions).
+    assert model_value_nll(model, held_out) == pytest.approx(at_start["nll"], rel=1e-3)
+    assert trainer.value_head_start.refits == [] and trainer.value_head_start.kept_trained_features is None
+    assert all(param.requires_grad for param in value_side.values())  # given back for training outside
+    with pytest.raises(TypeError, match="train_value_features"):
+        CausalQwenTrainer(model=model, args=args(tmp_path, 1), train_dataset=train, train_value_features=1)
+
+
+def test_training_the_features_from_the_start_does_not_raise_the_held_out_value_loss(tiny_qwen, tmp_path):
     train, held_out = related(256, seed=1), related(64, seed=2)
     model = fresh(tiny_qwen)
     start = AtStart(held_out)
     trainer = CausalQwenTrainer(model=model, args=args(tmp_path, 24), train_dataset=train,
-                                data_collator=CausalQwenDataCollator(0), callbacks=[start])
+                                data_collator=CausalQwenDataCollator(0), callbacks=[start], train_value_features=True)
     held = trainer.value_head_start._held
     assert {id(p) for p in held} == {id(model.action.reg_head.weight), id(model.action.reg_head.bias),
                                      id(model.action.reg_log_noise)}
@@ -119,9 +163,9 @@ def model_value_nll(model, data: list[dict]) -> float:
     return (torch.log(math.pi * scale) + torch.log1p(((y - loc) / scale) ** 2)).mean().item()
 
 
-def test_training_with_the_context_path_keeps_the_start(tiny_qwen, tmp_path):
+def test_training_the_features_with_the_context_path_keeps_the_start(tiny_qwen, tmp_path):
     """The path (docs/design.md §1b) is held out of the optimizer with the read-out and refitted with it: after
-    training with the defaults the model's held-out value NLL is no worse than right after the start."""
+    training the features the model's held-out value NLL is no worse than right after the start."""
     train, held_out = related(256, seed=1), related(64, seed=2)
     model = fresh(tiny_qwen, context_values=True)
     at_start = {}
@@ -131,7 +175,8 @@ def test_training_with_the_context_path_keeps_the_start(tiny_qwen, tmp_path):
             at_start.setdefault("nll", model_value_nll(model, held_out))
 
     trainer = CausalQwenTrainer(model=model, args=args(tmp_path, 24), train_dataset=train,
-                                data_collator=CausalQwenDataCollator(0), callbacks=[Start()])
+                                data_collator=CausalQwenDataCollator(0), callbacks=[Start()],
+                                train_value_features=True)
     path = set(map(id, model.abduction.context_values.parameters()))
     assert path <= {id(p) for p in trainer.value_head_start._held}
     trainer.train()
@@ -163,7 +208,8 @@ def test_features_that_train_worse_than_the_start_are_restored(tiny_qwen, tmp_pa
 
     model = fresh(tiny_qwen)
     trainer = CausalQwenTrainer(model=model, args=args(tmp_path, 6), train_dataset=train,
-                                data_collator=CausalQwenDataCollator(0), callbacks=[Start(), Scramble()])
+                                data_collator=CausalQwenDataCollator(0), callbacks=[Start(), Scramble()],
+                                train_value_features=True)
     trainer.train()
     assert trainer.value_head_start.kept_trained_features is False
     torch.testing.assert_close(model.numeric_embedding.w_num, at_start["w_num"], rtol=0, atol=0)
@@ -184,7 +230,8 @@ def test_features_that_train_worse_than_the_start_are_restored(tiny_qwen, tmp_pa
     model = fresh(tiny_qwen, context_values=True)
     trainer = CausalQwenTrainer(model=model, args=args(tmp_path / "kept", 6), train_dataset=train,
                                 data_collator=CausalQwenDataCollator(0), callbacks=[Start(), Unmoved()],
-                                learning_rate_scales={"numeric_embedding": 1e-6, "action.cls_head": 1.0})
+                                learning_rate_scales={"numeric_embedding": 1e-6, "action.cls_head": 1.0},
+                                train_value_features=True)
     trainer.train()
     assert trainer.value_head_start.kept_trained_features is True
     assert not torch.equal(model.numeric_embedding.w_num, at_start["w_num"])
@@ -204,7 +251,8 @@ def test_evaluations_and_checkpoints_see_the_refitted_readout_and_resume_keeps_i
     run = dict(save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=3)
     evaluated = AtEvaluation()
     first = CausalQwenTrainer(model=fresh(tiny_qwen), args=args(tmp_path, 4, **run), train_dataset=train,
-                              eval_dataset=train[:8], data_collator=CausalQwenDataCollator(0), callbacks=[evaluated])
+                              eval_dataset=train[:8], data_collator=CausalQwenDataCollator(0), callbacks=[evaluated],
+                              train_value_features=True)
     first.train()
     assert evaluated.steps == [3, 4]
     assert [step for step, _ in first.value_head_start.refits] == [2, 3, 4]
@@ -215,7 +263,7 @@ def test_evaluations_and_checkpoints_see_the_refitted_readout_and_resume_keeps_i
     resumed_model = fresh(tiny_qwen)
     resumed = CausalQwenTrainer(model=resumed_model, args=args(tmp_path, 6, **run), train_dataset=train,
                                 eval_dataset=train[:8], data_collator=CausalQwenDataCollator(0),
-                                callbacks=[AtEvaluation()])
+                                callbacks=[AtEvaluation()], train_value_features=True)
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
     assert resumed.value_head_start.fit is None  # the start is in the checkpoint
     assert [step for step, _ in resumed.value_head_start.refits] == [6]
@@ -229,9 +277,10 @@ def test_plain_trainer_gets_the_start_and_the_refits_from_the_callback(tiny_qwen
     model = fresh(tiny_qwen)
     trainer = Trainer(model=model, args=args(tmp_path, 4, eval_strategy="steps", eval_steps=2),
                       train_dataset=train, eval_dataset=train[:8], data_collator=CausalQwenDataCollator(0))
-    callback = ValueHeadStartCallback(trainer)
+    callback = ValueHeadStartCallback(trainer, train_features=True)
     trainer.add_callback(callback)
     assert not model.action.reg_head.weight.requires_grad  # held before Trainer builds its optimizer
+    assert model.numeric_embedding.w_num.requires_grad
     trainer.train()
     assert callback.fit is not None and model.config.value_head_fit == callback.fit.to_dict()
     optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
@@ -241,6 +290,11 @@ def test_plain_trainer_gets_the_start_and_the_refits_from_the_callback(tiny_qwen
     assert model.action.reg_head.weight.requires_grad
     with pytest.raises(TypeError, match="refit_readout"):
         ValueHeadStartCallback(trainer, refit_readout=None)
+    with pytest.raises(TypeError, match="train_features"):
+        ValueHeadStartCallback(trainer, train_features="no")
+    # By default the callback holds the features the value reads too.
+    ValueHeadStartCallback(trainer)
+    assert not model.numeric_embedding.w_num.requires_grad and not model.abduction.loc_net.weight.requires_grad
 
 
 def test_without_refit_the_readout_trains_as_before(tiny_qwen, tmp_path):

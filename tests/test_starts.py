@@ -302,7 +302,8 @@ def test_trainer_starts_the_value_head_then_keeps_learning(model, tmp_path):
             last_step["w_num"] = model.numeric_embedding.w_num.detach().clone()
 
     trainer = CausalQwenTrainer(model=model, args=_args(tmp_path, 30), train_dataset=data,
-                                data_collator=CausalQwenDataCollator(0), callbacks=[LastStep()])
+                                data_collator=CausalQwenDataCollator(0), callbacks=[LastStep()],
+                                train_value_features=True)
     trainer.train()
     fit = trainer.value_head_start.fit
     assert fit is not None and fit.positions == 64

@@ -135,6 +135,8 @@ def optimizer_rates(trainer) -> dict[str, float]:
 
 
 def one_rate_trainer(model, tmp_path, lr=1e-3, **kwargs):
+    """A one-step trainer in which every module trains at its rate (the value's features included)."""
+    kwargs.setdefault("train_value_features", True)
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=1, learning_rate=lr,
                              lr_scheduler_type="constant", weight_decay=kwargs.pop("weight_decay", 0.0),
                              max_grad_norm=0.0, report_to=[], save_strategy="no", logging_steps=1, use_cpu=True,
@@ -206,10 +208,16 @@ def test_lora_adapters_train_at_the_head_rate_and_saved_modules_at_theirs(model,
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
                       modules_to_save=["numeric_embedding", "abduction", "action"])
     peft_model = get_peft_model(model, lora)
-    # By default the value read-out is held out of the optimizer (refitted instead), through PEFT's copies too.
-    held = one_rate_trainer(peft_model, tmp_path, lr=1e-3)
+    # By default the value read-out and the features it reads are held out of the optimizer, through PEFT's copies
+    # too; the LoRA adapters and the class head train.
+    held = one_rate_trainer(peft_model, tmp_path, lr=1e-3, train_value_features=False)
     held.create_optimizer()
-    assert "base_model.model.action.modules_to_save.default.reg_head.weight" not in optimizer_rates(held)
+    rates = optimizer_rates(held)
+    for name in ("action.modules_to_save.default.reg_head.weight", "numeric_embedding.modules_to_save.default.w_num",
+                 "abduction.modules_to_save.default.loc_net.weight"):
+        assert f"base_model.model.{name}" not in rates, name
+    assert "base_model.model.action.modules_to_save.default.cls_head.weight" in rates
+    assert any("lora_" in name for name in rates)
     for param in held.value_head_start._held:
         param.requires_grad_(True)
     # Trained with the other heads, the read-out gets its rate.
