@@ -177,6 +177,7 @@ def main() -> None:
     parser.add_argument("--resume")
     parser.add_argument("--regression-noise", type=float, default=1.0)
     parser.add_argument("--value-head-start", action="store_true")
+    parser.add_argument("--train-value-features", action="store_true")
     parser.add_argument("--context-values", action="store_true")
     a = parser.parse_args()
     out = Path(a.out_dir)
@@ -209,7 +210,8 @@ def main() -> None:
     else:
         model = build_model(a.regression_noise, a.context_values)
     trainer = CausalQwenTrainer(model=model, args=args, train_dataset=dataset(uneven=a.uneven),
-                                data_collator=CausalQwenDataCollator(0), value_head_start=a.value_head_start)
+                                data_collator=CausalQwenDataCollator(0), value_head_start=a.value_head_start,
+                                train_value_features=a.train_value_features)
     trainer.train(resume_from_checkpoint=a.resume)
     params = full_trainable_parameters(trainer)
     memory = resident_bytes(trainer)

@@ -7,9 +7,9 @@ import subprocess
 import pytest
 import torch
 from conftest import tiny_qwen2_config
-from transformers import Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM, TrainerCallback
 
-from causal_qwen import CausalQwenForCausalLM
+from causal_qwen import CausalQwenForCausalLM, training
 from causal_qwen.cli import build_parser, main
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
@@ -95,8 +95,19 @@ def _converted_tiny(tmp_path, qwen25_dir):
     return converted
 
 
+def _with_callback(cls, callback):
+    """`cls.__init__` that adds `callback` to every trainer it builds."""
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), callback]
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
 @pytest.mark.slow
-def test_train_and_eval_on_prompt_completion_data(tmp_path, qwen25_dir, capsys):
+def test_train_and_eval_on_prompt_completion_data(tmp_path, qwen25_dir, capsys, monkeypatch):
     converted, trained = _converted_tiny(tmp_path, qwen25_dir), tmp_path / "trained"
     pairs = [{"q": f"{a} apples at {b} dollars each cost", "a": f" {a * b} dollars."}
              for a in range(2, 8) for b in (3, 5, 1.5)]
@@ -107,6 +118,22 @@ def test_train_and_eval_on_prompt_completion_data(tmp_path, qwen25_dir, capsys):
     after = CausalQwenForCausalLM.from_pretrained(trained)
     # The value head was started from the completions' numbers: one row per pair (the prompt's are not labelled).
     assert after.config.value_head_fit["positions"] == len(pairs)
+    # The features the value reads were held (the value side is the start's); the class decisions trained.
+    before = CausalQwenForCausalLM.from_pretrained(converted)
+    for name in ("numeric_embedding.w_num", "abduction.loc_net.weight", "abduction.scale_net.bias"):
+        assert torch.equal(after.get_parameter(name), before.get_parameter(name)), name
+    assert not torch.equal(after.action.cls_head.bias, before.action.cls_head.bias)
+    # --train-value-features trains them: they move during training.
+    moved = []
+
+    class Moved(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            moved.append(not torch.equal(model.numeric_embedding.w_num, before.numeric_embedding.w_num))
+
+    monkeypatch.setattr(training.CausalQwenTrainer, "__init__", _with_callback(training.CausalQwenTrainer, Moved()))
+    assert main(["train", str(converted), str(tmp_path / "features"), "--data", str(data), "--prompt-column", "q",
+                 "--completion-column", "a", "--max-steps", "2", "--batch-size", "4", "--train-value-features"]) == 0
+    assert moved == [True, True]
     report = tmp_path / "metrics.json"
     assert main(["eval", str(trained), "--data", str(data), "--prompt-column", "q", "--completion-column", "a",
                  "--json", str(report)]) == 0

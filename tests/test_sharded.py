@@ -218,8 +218,9 @@ def test_value_head_start_reaches_the_sharded_parameters(runs, engine):
 
 
 def test_ddp_refits_the_value_readout_on_rank_0_and_broadcasts_it(runs):
-    # Each rank reads its own shard of the training set; rank 0's refit is the one every replica holds.
-    run = runs.get("ddp", "--value-head-start")
+    # Each rank reads its own shard of the training set; rank 0's refit is the one every replica holds. (The
+    # features train here: by default nothing the value reads trains and nothing is refitted.)
+    run = runs.get("ddp", "--value-head-start", "--train-value-features")
     readouts = [torch.load(run / f"readout-{rank}.pt") for rank in (0, 1)]
     assert readouts[0]["refits"] == readouts[1]["refits"] == [3]
     for key in ("weight", "bias", "log_noise"):

@@ -138,7 +138,8 @@ def test_lora_through_peft_config_trains_adapters_and_causal_modules(model, toke
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
                       modules_to_save=["numeric_embedding", "abduction", "action"])
     trainer = CausalQwenSFTTrainer(model=model, args=config(tmp_path, max_steps=2), processing_class=tokenizer,
-                                   train_dataset=Dataset.from_list([{"text": t} for t in TEXTS]), peft_config=lora)
+                                   train_dataset=Dataset.from_list([{"text": t} for t in TEXTS]), peft_config=lora,
+                                   train_value_features=True)
     # Every parameter: the value read-out is held out of the optimizer until training ends, then refitted.
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
@@ -147,15 +148,26 @@ def test_lora_through_peft_config_trains_adapters_and_causal_modules(model, toke
         assert any(part in n for n in moved), part
 
 
-def test_sft_trainer_keeps_the_value_readout_fitted(model, tokenizer, tmp_path):
-    # CausalQwenTrainer's default: the read-out is held out of the optimizer and fitted again at the end.
+def test_sft_trainer_keeps_the_value_side_of_the_start(model, tokenizer, tmp_path):
+    # CausalQwenTrainer's default: the read-out and the features it reads are held out of the optimizer, so with the
+    # frozen backbone the value side is the start's and nothing is refitted; the class decisions train.
+    data = Dataset.from_list([dict(pair) for pair in PAIRS])
     trainer = CausalQwenSFTTrainer(model=model, args=config(tmp_path, max_steps=2), processing_class=tokenizer,
-                                   train_dataset=Dataset.from_list([dict(pair) for pair in PAIRS]))
+                                   train_dataset=data)
+    trainer.train()
+    optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert not optimized & {id(model.action.reg_head.weight), id(model.numeric_embedding.w_num),
+                            id(model.abduction.loc_net.weight)}
+    assert id(model.action.cls_head.weight) in optimized and trainer.value_head_start.refits == []
+    assert model.config.value_head_fit is not None and model.action.reg_head.weight.requires_grad
+    # With the features trained, the read-out is fitted again to them at the end.
+    trainer = CausalQwenSFTTrainer(model=model, args=config(tmp_path / "features", max_steps=2),
+                                   processing_class=tokenizer, train_dataset=data, train_value_features=True)
     trainer.train()
     optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
     assert id(model.action.reg_head.weight) not in optimized and id(model.numeric_embedding.w_num) in optimized
-    assert [step for step, _ in trainer.value_head_start.refits] == [2]
-    assert model.config.value_head_fit is not None and model.action.reg_head.weight.requires_grad
+    # (Step 0: the model was fitted before this trainer, so the start's score for the end's comparison is a refit.)
+    assert [step for step, _ in trainer.value_head_start.refits] == [0, 2]
 
 
 def test_a_plain_qwen_tokenizer_trains_text_only(model, qwen25_dir, tmp_path, caplog):

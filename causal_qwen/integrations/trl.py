@@ -39,8 +39,9 @@ _COLUMNS = ["input_ids", "attention_mask", "labels", "numeric_values", "numeric_
 class CausalQwenSFTTrainer(CausalQwenTrainer, SFTTrainer):
     """`trl.SFTTrainer` that trains CausalQwen's own loss with its numbers.
 
-    Same arguments as `SFTTrainer` (`args` an `SFTConfig` or `TrainingArguments`), plus `learning_rate_scales` and
-    `value_head_start` of [`CausalQwenTrainer`]. What differs from `SFTTrainer`:
+    Same arguments as `SFTTrainer` (`args` an `SFTConfig` or `TrainingArguments`), plus `learning_rate_scales`,
+    `value_head_start`, `refit_value_readout` and `train_value_features` of [`CausalQwenTrainer`]. What differs
+    from `SFTTrainer`:
 
     - the loss is the model's own (`Trainer.compute_loss`: the forward with `labels`, which takes the fused OvR
       path of docs/design.md §4.1), never TRL's softmax head; `loss` in the logs is that loss, and `total_loss`,
