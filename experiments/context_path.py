@@ -7,8 +7,9 @@ mixed; for the path this is `context_start.fit_context_values`), then trained `-
 `CausalQwenTrainer` at its defaults on the same texts in the same order (0: the start only). Measured on the test
 splits: the target's median relative error per template (teacher-forced median at the position before the target's
 `<NUM>`), their mean, and the 50% / 90% interval coverage; on the test texts, next-token accuracy, num_f1 and OvR
-perplexity over every position. `--scales` changes the per-module learning rates of the training (an arm of the
-mechanism that keeps the start).
+perplexity over every position; and each template's training median as the baseline. `--scales` changes the
+per-module learning rates of the training, and `--train-value-features` trains the features the value reads (arms
+of the mechanism that keeps the start).
 
     python experiments/context_path.py --output runs/context_path                 # the start only
     python experiments/context_path.py --steps 12 --output runs/context_path      # and after 12 steps
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_experiment as experiment  # noqa: E402
 
 from causal_qwen import CausalQwenTokenizer  # noqa: E402
-from causal_qwen.data import CausalQwenDataCollator, tokenize_examples  # noqa: E402
+from causal_qwen.data import CausalQwenDataCollator, template_baselines, tokenize_examples  # noqa: E402
 from causal_qwen.starts import fit_value_head  # noqa: E402
 
 SPLITS = ("test", "real_test", "extrapolation")
@@ -49,6 +50,20 @@ def measure(model, tokenizer, data: dict, batch: int) -> dict:
     return results
 
 
+def median_baseline(data: dict) -> dict:
+    """Each template's training median as the prediction of its test targets: the baseline of bar 3."""
+    medians = {name: median for name, (_, median) in template_baselines(data["train"]).items()}
+    results = {}
+    for split in SPLITS:
+        examples = experiment.with_target(data[split])
+        predicted = [medians[ex.template] for ex in examples]
+        errors = [abs(m - ex.target_value) / max(abs(ex.target_value), 1e-12)
+                  for m, ex in zip(predicted, examples, strict=True)]
+        results[split] = {"per_template": experiment.per_template(predicted, examples),
+                          "pooled": statistics.median(errors) if errors else float("nan")}
+    return results
+
+
 def run_arm(on: bool, profile, tokenizer, data: dict, args) -> dict:
     t0 = time.perf_counter()
     model = experiment.new_causal(profile, tokenizer, args.seed, context_values=on).eval()
@@ -61,7 +76,8 @@ def run_arm(on: bool, profile, tokenizer, data: dict, args) -> dict:
     print(f"context_values={on}: start measured, {arm['start_seconds']:.0f}s", flush=True)
     if args.steps:
         trainer = experiment.train_causal(model, tokenizer, data["train"], profile, Path(args.output) / f"on={on}",
-                                          args.seed, steps=args.steps, scales=json.loads(args.scales))
+                                          args.seed, steps=args.steps, scales=json.loads(args.scales),
+                                          train_value_features=args.train_value_features)
         arm["refits"] = [(step, fit.to_dict()) for step, fit in trainer.value_head_start.refits]
         arm["trained"] = measure(model, tokenizer, data, profile.eval_batch)
         print(f"context_values={on}: trained {args.steps} steps, {time.perf_counter() - t0:.0f}s", flush=True)
@@ -79,13 +95,15 @@ def table(results: dict) -> str:
     for split in SPLITS:
         rows = [(f"context_values={on}, {stage}", arm[stage][split]) for on, arm in results["arms"].items()
                 for stage in ("start", "trained", "restarted") if stage in arm]
+        rows.append(("training median of each template", results["median_baseline"][split]))
         templates = list(rows[0][1]["per_template"])
         lines += [f"\n{split}: median relative error of the target; coverage of the 50% / 90% intervals",
                   "| arm | " + " | ".join(templates) + " | pooled | coverage 50% / 90% |",
                   "|---" * (len(templates) + 3) + "|"]
         for name, cell in rows:
             errors = " | ".join(f"{cell['per_template'][t]:.3g}" for t in templates)
-            coverage = f"{cell['reg_coverage_50']:.2f} / {cell['reg_coverage_90']:.2f}"
+            coverage = (f"{cell['reg_coverage_50']:.2f} / {cell['reg_coverage_90']:.2f}"
+                        if "reg_coverage_50" in cell else "")
             lines.append(f"| {name} | {errors} | {cell['pooled']:.3g} | {coverage} |")
     lines += ["\ntest texts, every position: next-token accuracy, num_f1, OvR perplexity",
               "| arm | accuracy | num_f1 | ppl_ovr |", "|---|---|---|---|"]
@@ -107,13 +125,15 @@ def main() -> None:
                         help="after training, also fit the value head from scratch (the start's procedure) and measure")
     parser.add_argument("--scales", default="{}",
                         help='learning-rate multiples over the defaults, JSON (e.g. \'{"numeric_embedding": 1e-9}\')')
+    parser.add_argument("--train-value-features", action="store_true",
+                        help="train the numeric embedding and the abduction network (default: held, as the library)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="runs/context_path")
     args = parser.parse_args()
     profile = experiment.PROFILES[args.profile]
     data = experiment.load_data(profile, args.seed)
     tokenizer = CausalQwenTokenizer.from_pretrained(experiment.QWEN_DIR)
-    results = {"profile": args.profile, "steps": args.steps, "arms": {}}
+    results = {"profile": args.profile, "steps": args.steps, "arms": {}, "median_baseline": median_baseline(data)}
     for name in args.arms.split(","):
         results["arms"][name] = run_arm(name == "on", profile, tokenizer, data, args)
     out = Path(args.output)

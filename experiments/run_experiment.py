@@ -193,13 +193,14 @@ def w_num_of(model) -> torch.Tensor:
 
 def train_causal(model, tokenizer, train: list[NumericExample], profile: Profile, out: Path, seed: int,
                  steps: int | None = None, scales: dict | None = None, start: bool = True,
-                 curve: CurveCallback | None = None) -> CausalQwenTrainer:
+                 curve: CurveCallback | None = None, train_value_features: bool = False) -> CausalQwenTrainer:
     """`CausalQwenTrainer` on the texts, as docs/training.md shows it."""
     features = tokenize_examples(tokenizer, [ex.text for ex in train])
     trainer = CausalQwenTrainer(
         model=model, args=training_args(out, profile, seed, steps), train_dataset=features,
         data_collator=CausalQwenDataCollator.from_tokenizer(tokenizer), value_head_start=start,
         learning_rate_scales={**LEARNING_RATE_SCALES, **(scales or {})}, callbacks=[curve] if curve else None,
+        train_value_features=train_value_features,
     )
     model.train()
     trainer.train()
