@@ -168,15 +168,16 @@ class ValueHeadStartCallback(TrainerCallback):
     (`requires_grad` False from this callback's construction to the end of training, so build it before
     `trainer.train()`): a least-squares read-out does not survive Adam's per-coordinate steps (docs/training.md,
     "Training keeps the start"). So, unless `train_features`, are the features it reads (the numeric embedding, the
-    abduction network): on Qwen2.5-0.5B twelve steps of them never predicted a split's values better than the start
-    and lost up to a quarter of it (docs/experiments.md). The `<NUM>` decision and the rest of the classification
-    head train. Where something the value reads trains (`train_features`, an unfrozen backbone, LoRA adapters), the
-    value side is fitted again to the current loc_U ([`refit_value_readout`]) before every evaluation and checkpoint
-    save and at the end of training, so evaluation metrics, saved checkpoints and the trained model never hold a
-    stale read-out; where nothing it reads trains, it stays the start's and is not fitted again. Resuming from a
-    checkpoint keeps this. Under FSDP and DeepSpeed, which split or copy the parameters, the read-out and the
-    features train as the other heads do (no refit). At the end of a run that started at step 0, trained features
-    that score worse on the refit's held-out rows than the start's are restored (`kept_trained_features` False).
+    abduction network): on Qwen2.5-0.5B twelve steps of them lost up to a quarter of the start on the corpus and
+    gained at most 0.004 of error elsewhere (docs/experiments.md). The `<NUM>` decision and the rest of the
+    classification head train. Where something the value reads trains (`train_features`, an unfrozen backbone, LoRA
+    adapters), the value side is fitted again to the current loc_U ([`refit_value_readout`]) before every evaluation
+    and checkpoint save and at the end of training, so evaluation metrics, saved checkpoints and the trained model
+    never hold a stale read-out; where nothing it reads trains, it stays the start's and is not fitted again.
+    Resuming from a checkpoint keeps this. Under FSDP and DeepSpeed, which split or copy the parameters, the
+    read-out and the features train as the other heads do (no refit). At the end of a run that started at step 0,
+    trained features that score worse on the refit's held-out rows than the start's are restored
+    (`kept_trained_features` False).
 
     Under FSDP or DeepSpeed the engine splits or copies the parameters when training starts, before
     `on_train_begin`; `CausalQwenTrainer.train` then calls `fit_unwrapped` on the bare model first.
