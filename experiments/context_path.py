@@ -37,13 +37,18 @@ from causal_qwen.starts import fit_value_head  # noqa: E402
 SPLITS = ("test", "real_test", "extrapolation")
 
 
+def pooled_error(predicted: list[float], true: list[float]) -> float:
+    """Median relative error over every target of a split."""
+    errors = [abs(p - t) / max(abs(t), 1e-12) for p, t in zip(predicted, true, strict=True)]
+    return statistics.median(errors) if errors else float("nan")
+
+
 def measure(model, tokenizer, data: dict, batch: int) -> dict:
     results = {}
     for split in SPLITS:
         targets = experiment.causal_targets(model, tokenizer, data[split], batch)
-        errors = [abs(m - t) / max(abs(t), 1e-12) for m, t in zip(targets["median"], targets["true"], strict=True)]
         results[split] = {"per_template": experiment.per_template(targets["median"], targets["examples"]),
-                          "pooled": statistics.median(errors) if errors else float("nan"),
+                          "pooled": pooled_error(targets["median"], targets["true"]),
                           **experiment.interval_metrics(targets)}
     # num_f1, next-token accuracy and OvR perplexity on the test texts (docs/design.md §6).
     results["test"]["positions"] = experiment.causal_positions(model, tokenizer, data["test"], batch, 0)
@@ -57,10 +62,8 @@ def median_baseline(data: dict) -> dict:
     for split in SPLITS:
         examples = experiment.with_target(data[split])
         predicted = [medians[ex.template] for ex in examples]
-        errors = [abs(m - ex.target_value) / max(abs(ex.target_value), 1e-12)
-                  for m, ex in zip(predicted, examples, strict=True)]
         results[split] = {"per_template": experiment.per_template(predicted, examples),
-                          "pooled": statistics.median(errors) if errors else float("nan")}
+                          "pooled": pooled_error(predicted, [ex.target_value for ex in examples])}
     return results
 
 
