@@ -117,7 +117,7 @@ def check_missing_keys(model, missing_keys) -> None:
     missing = sorted(key for key in missing_keys if key in own and key not in refilled | added)
     # A checkpoint without any causal tensor is a backbone's (Qwen2's, or CausalQwenModel's): its heads start as a
     # new model's, reported as missing, as transformers does for a base model loaded into a class with a head.
-    if missing and own - set(missing_keys) - added:
+    if missing and own - set(missing_keys):
         hints = [hint for prefix, hint in _MISSING_KEY_HINTS.items() if any(k.startswith(prefix) for k in missing)]
         raise ValueError(
             f"the checkpoint lacks CausalQwen tensors the model needs: {', '.join(missing)}. They would be drawn "
