@@ -105,14 +105,12 @@ def _read(path, transform, queries, keys, values, present):
 
 
 def fit_context_values(model, rows: ContextRows, x: torch.Tensor, scale_u: torch.Tensor, y: torch.Tensor,
-                       seed: int = 0, starts: int | None = None) -> dict:
+                       seed: int = 0) -> dict:
     """Fit `model.abduction.context_values` on the value head's rows and write it; returns the record.
 
     Args:
         rows: the path's rows, aligned with `x` (loc_U `[N, C]`), `scale_u` (scale_U `[N, C]`) and `y` (the
             targets in the head's space `[N]`), float64.
-        seed, starts: the fit runs from the random starts of seeds `seed`, `seed + 1`, … (`starts` of them,
-            `_STARTS` by default) and keeps the one of least held-out NLL.
     """
     path: CausalQwenContextValues = model.abduction.context_values
     action = model.action
@@ -150,8 +148,7 @@ def fit_context_values(model, rows: ContextRows, x: torch.Tensor, scale_u: torch
     # The fit is not convex, and where it lands depends on the random start of the scores (on Qwen2.5-0.5B, the
     # repeat at unseen scales ranged from 0.005 to 0.38 over three starts): several starts, the best on the held-out
     # rows kept.
-    draws = _STARTS if starts is None else starts
-    fits = [_fit_from(start(draw), loss, split, transform, noise) for draw in range(draws)]
+    fits = [_fit_from(start(draw), loss, split, transform, noise) for draw in range(_STARTS)]
     fits = [fit for fit in fits if fit[1] is not None and fit[0] < baseline]
     best = min(fits, key=lambda fit: fit[0]) if fits else (baseline, None, 0)
     small = start(0)
