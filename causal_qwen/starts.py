@@ -197,7 +197,7 @@ def _read_batch(model, batch, device, decisions_left: int, out: tuple, context: 
         numbers = batch.get("numeric_values")
         if numbers is None:
             numbers = torch.zeros(batch["input_ids"].shape, dtype=torch.float64)
-        context.add(features["z"], batch["input_ids"], numbers, where, num_id, batch.get("position_ids"))
+        context.add(features["z"], batch["input_ids"], numbers, where, num_id)
     if decisions_left > 0:
         following = known_next_tokens(batch)
         known = following != IGNORE_INDEX

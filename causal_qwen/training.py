@@ -33,7 +33,7 @@ from .pairing import check_tokenizer_matches
 from .starts import NotEnoughNumbersError, fit_value_head, refit_value_readout
 
 __all__ = ["CausalQwenTrainer", "LEARNING_RATE_SCALES", "ValueHeadStartCallback", "parameter_groups",
-           "readout_parameters", "value_side_parameters"]
+           "readout_parameters"]
 
 logger = logging.get_logger(__name__)
 
@@ -153,13 +153,6 @@ def readout_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [param for name, param in model.named_parameters() if param.requires_grad and is_readout(name)]
 
 
-def value_side_parameters(model: nn.Module, features: bool = True) -> list[nn.Parameter]:
-    """What `CausalQwenTrainer` holds out of the optimizer by default: the read-out ([`readout_parameters`]) and,
-    with `features`, the trainable parameters that loc_U reads beside the backbone (the numeric embedding and the
-    abduction network)."""
-    return readout_parameters(model) + ([param for _, param in _feature_parameters(model)] if features else [])
-
-
 class ValueHeadStartCallback(TrainerCallback):
     """Fit the value head on the training data when training begins (`fit_value_head`), once per model, and keep
     the read-out fitted to loc_U as training moves it (`refit_readout`, the default).
@@ -220,7 +213,10 @@ class ValueHeadStartCallback(TrainerCallback):
         False) until `on_train_end` gives them back."""
         if not self.refit_readout or not _has_value_head(self.trainer.model):
             return
-        for param in value_side_parameters(self.trainer.model, features=not self.train_features):
+        model = self.trainer.model
+        held = readout_parameters(model) + ([] if self.train_features else
+                                            [param for _, param in _feature_parameters(model)])
+        for param in held:
             param.requires_grad_(False)
             self._held.append(param)
 
