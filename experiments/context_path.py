@@ -39,7 +39,7 @@ SPLITS = ("test", "real_test", "extrapolation")
 
 def pooled_error(predicted: list[float], true: list[float]) -> float:
     """Median relative error over every target of a split."""
-    errors = [abs(p - t) / max(abs(t), 1e-12) for p, t in zip(predicted, true, strict=True)]
+    errors = [experiment.relative_error(p, t) for p, t in zip(predicted, true, strict=True)]
     return statistics.median(errors) if errors else float("nan")
 
 

@@ -71,8 +71,7 @@ def table_medians(train: list[NumericExample]) -> dict[str, float]:
 
 
 def relative_errors(predicted: list[float | None], examples: list[NumericExample]) -> list[float]:
-    return [abs((p if p is not None else 0.0) - ex.target_value) / max(abs(ex.target_value), 1e-12)
-            for p, ex in zip(predicted, examples, strict=True)]
+    return [experiment.relative_error(p, ex.target_value) for p, ex in zip(predicted, examples, strict=True)]
 
 
 def summary(predicted: list[float | None], examples: list[NumericExample]) -> dict[str, float]:

@@ -404,12 +404,17 @@ def point_metrics(predicted: list[float | None], true: list[float]) -> dict:
             "parse_rate": sum(p is not None for p in predicted) / max(len(predicted), 1), "n_targets": len(true)}
 
 
+def relative_error(predicted: float | None, true: float) -> float:
+    """|predicted − true| / |true|; a missing or non-finite prediction counts as 0."""
+    predicted = predicted if predicted is not None and math.isfinite(predicted) else 0.0
+    return abs(predicted - true) / max(abs(true), 1e-12)
+
+
 def per_template(predicted: list[float | None], examples: list[NumericExample]) -> dict[str, float]:
     """Median relative error of the target per template, and their average."""
     errors: dict[str, list[float]] = {}
     for p, ex in zip(predicted, examples, strict=True):
-        p = p if p is not None and math.isfinite(p) else 0.0
-        errors.setdefault(ex.template, []).append(abs(p - ex.target_value) / max(abs(ex.target_value), 1e-12))
+        errors.setdefault(ex.template, []).append(relative_error(p, ex.target_value))
     table = {name: statistics.median(v) for name, v in sorted(errors.items())}
     table["mean over templates"] = statistics.mean(table.values()) if table else float("nan")
     return table
