@@ -1,10 +1,13 @@
 """One training step (forward + backward) with the context-value path (docs/design.md §1b) on and off.
 
 Two CausalQwen models of Qwen2.5-0.5B's shape (hidden 896, 24 layers, vocabulary 151,936; random weights, so no
-checkpoint is read), built by `from_qwen` from one Qwen2 model, so that they differ only in the path. Every weight
-trains, as at `CausalQwenTrainer`'s defaults, except the path, which the trainer holds out of the optimizer with the
-read-out (docs/training.md); `--train-path` lets it train too. Two batches of `--batch` × `--seq` random ids: one in
-which `--numbers` tokens are `<NUM>` with values, and one of text only (where the path has nothing to read).
+checkpoint is read), built by `from_qwen` from one Qwen2 model, so that they differ only in the path. What trains
+is what `CausalQwenTrainer` trains at its defaults (docs/training.md): the backbone frozen, the value side (the
+read-out, the path, the numeric embedding and the abduction network) held out of the optimizer, so that the
+backward stops at the heads; `--train-value-features` trains the numeric embedding and the abduction network too
+(the backward then runs through the backbone), and `--train-path` the path. Two batches of `--batch` × `--seq`
+random ids: one in which `--numbers` tokens are `<NUM>` with values, and one of text only (where the path has nothing
+to read).
 
 Both models live in one process and steps alternate between them; the time is the median over `--steps` steps, and
 the ratio is the path's step time over the step without it.
@@ -24,11 +27,13 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from causal_qwen import CausalQwenForCausalLM
+from causal_qwen.training import value_side_parameters
 
 NUM = 151_665
 
 
-def build_models(layers: int, train_path: bool) -> tuple[CausalQwenForCausalLM, CausalQwenForCausalLM]:
+def build_models(layers: int, train_path: bool, train_features: bool
+                 ) -> tuple[CausalQwenForCausalLM, CausalQwenForCausalLM]:
     torch.manual_seed(0)
     qwen = Qwen2ForCausalLM(Qwen2Config(
         vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
@@ -41,6 +46,9 @@ def build_models(layers: int, train_path: bool) -> tuple[CausalQwenForCausalLM, 
         g = torch.Generator().manual_seed(1)
         for param in on.abduction.context_values.parameters():
             param.copy_(torch.randn(param.shape, generator=g) * 0.05)
+    for model in (off, on):  # as `CausalQwenTrainer` holds them
+        for param in value_side_parameters(model, features=not train_features):
+            param.requires_grad_(False)
     on.abduction.context_values.requires_grad_(train_path)
     return off, on
 
@@ -80,12 +88,15 @@ def main() -> None:
     parser.add_argument("--numbers", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--train-path", action="store_true", help="let the path's weights train too")
+    parser.add_argument("--train-value-features", action="store_true",
+                        help="train the numeric embedding and the abduction network (backward through the backbone)")
     args = parser.parse_args()
     if args.numbers < 1 or args.numbers > args.seq - 10:
         raise ValueError(f"--numbers must be in [1, seq - 10], got {args.numbers}")
-    off, on = build_models(args.layers, args.train_path)
+    off, on = build_models(args.layers, args.train_path, args.train_value_features)
     print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__};"
-          f" {args.layers} layers, B={args.batch}, S={args.seq}, path {'trained' if args.train_path else 'held'}")
+          f" {args.layers} layers, B={args.batch}, S={args.seq}, path {'trained' if args.train_path else 'held'}, "
+          f"value features {'trained' if args.train_value_features else 'held'}")
     print("| batch | step without the path (s) | with it (s) | ratio |")
     print("|---|---|---|---|")
     for name, numbers in ((f"{args.numbers} numbers", args.numbers), ("text only", 0)):

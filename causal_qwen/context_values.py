@@ -3,11 +3,11 @@
 At position t the value Y_t has, besides the seeds' linear read-out of U, candidates built from the values y_j of
 the `<NUM>` tokens j ≤ t of the same sequence (y = T(v), T the `value_transform`):
 
-- a copy of each y_j, weighted by a pointer (rank-r scores of z_t and z_j);
+- a copy of each y_j, weighted by a pointer (rank-r scores of z_t and of the key k_j below);
 - a log-space combination ℓ_t = Σ_j b_tj·symlog(v_j) (products, ratios, rates), as the value symexp(ℓ_t);
 - a raw-space combination r_t = Σ_j c_tj·v_j (sums, differences, averages, unit factors), as the value r_t;
 
-with b_tj, c_tj rank-r bilinear weights of z_t and z_j. One softmax over the linear read-out, the copies and the two
+with b_tj, c_tj rank-r bilinear weights of z_t and k_j. One softmax over the linear read-out, the copies and the two
 combinations gives their weights π (the linear read-out is the pointer's sink: with no earlier number π_0 = 1). The
 value stays Cauchy given the context, the action network's linear law weighted by π_0:
 
@@ -18,9 +18,15 @@ where π̄_t = (π_0, Σ_j π_j, π_ℓ, π_r): the width of the value's own noi
 chose, so a copy can get a narrow interval and a guess a wide one. With no earlier number and a, β at 0 this is the
 model without the path exactly.
 
-The keys (three rank-r maps of z_j) and the values (y_j, v_j, and whether j is a `<NUM>`) are held as one more layer
-of the generation cache, so beams reorder it, assisted decoding crops it and a static cache preallocates it as it
-does the backbone's layers; they are kept in float64, which holds the tokenizer's values to every digit.
+The keys of number j are rank-r maps of its own features and of the features of the position before it,
+k_j = K·z_j + b_K + K'·z_{j−1}: causally, z_{j−1} has read the words that introduce the number but not its value, so
+the key can say which number it is (its role) whatever its size, and a copy is chosen at scales never seen
+(docs/experiments.md has the table that chose this). K' = 0 is the path of checkpoints saved without it.
+
+The maps of every position (K·z_t + b_K and K'·z_t) and its entries (y_t, v_t, whether t is a `<NUM>`, and whether
+it follows a position of its own text) are held as one more layer of the generation cache, so beams reorder it,
+assisted decoding crops it and a static cache preallocates it as it does the backbone's layers; they are kept in
+float64, which holds the tokenizer's values to every digit.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
 from .cauchy import symexp, symlog, transform_values
+from .migrations import upgrade_state_dict
 
 # The scores of the candidates that are not copies, in this order, and the score each starts from: the linear
 # read-out at 0, the two combinations well below it, so that a start from data moves them only where they help.
@@ -88,6 +95,8 @@ class CausalQwenContextValues(nn.Module):
         # Queries and keys of the copy scores, the log-space and the raw-space weights: three rank-r maps each.
         self.query = nn.Linear(hidden_size, 3 * rank)
         self.key = nn.Linear(hidden_size, 3 * rank)
+        # K', read at the position before each number; no bias, so that no position before the text's start adds one.
+        self.key_before = nn.Linear(hidden_size, 3 * rank, bias=False)
         self.choice = nn.Linear(hidden_size, len(CANDIDATES))
         self.width = nn.Linear(hidden_size, 1)
         self.width_by_choice = nn.Parameter(torch.zeros(len(CANDIDATES) + 1))
@@ -110,6 +119,8 @@ class CausalQwenContextValues(nn.Module):
             if linear_only and name == "query":
                 weight.zero_()
             tensors[f"{name}.weight"] = weight
+        # 0: the key is the number's own until a start from data fits it (and a checkpoint without it is read as 0).
+        tensors["key_before.weight"] = torch.zeros(self.key_before.weight.shape)
         tensors["query.bias"] = torch.cat((torch.zeros(r), torch.full((2 * r,), r ** -0.5)))
         tensors["key.bias"] = torch.zeros(3 * r)
         tensors["choice.weight"] = torch.zeros(self.choice.weight.shape)
@@ -135,13 +146,30 @@ class CausalQwenContextValues(nn.Module):
                 params[name].copy_(tensor)
 
     def entries(
-        self, hidden_states: torch.Tensor, is_num: torch.Tensor, values: torch.Tensor, value_transform: str
+        self,
+        hidden_states: torch.Tensor,
+        is_num: torch.Tensor,
+        values: torch.Tensor,
+        value_transform: str,
+        starts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys `[B, S, 3r]` and values `[B, S, 3]` (y, v, is `<NUM>`) of new positions, float64."""
-        keys = self.key(hidden_states).double()
+        """The key maps `[B, S, 6r]` (K·z_t + b_K, then K'·z_t) and entries `[B, S, 4]` (y, v, is `<NUM>`, and 1
+        unless `starts` `[B, S]` marks the position as a text's first, whose key reads nothing before it) of new
+        positions, float64; [`keys_of`] makes the keys of them."""
+        maps = torch.cat((self.key(hidden_states), self.key_before(hidden_states)), -1).double()
         values = torch.where(is_num, values.double(), 0.0)
-        entries = torch.stack((transform_values(values, value_transform), values, is_num.double()), dim=-1)
-        return keys, entries
+        follows = torch.ones_like(values) if starts is None else (~starts).double()
+        entries = torch.stack((transform_values(values, value_transform), values, is_num.double(), follows), dim=-1)
+        return maps, entries
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        upgrade_state_dict("context_values", state_dict, prefix, self)  # checkpoints of earlier versions
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def keys(self, own: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+        """The keys `[..., 3r]` of numbers from their features `own` and those of the positions before them `before`
+        (`[..., H]` each), float64: K·z_j + b_K + K'·z_{j−1}."""
+        return (self.key(own) + self.key_before(before)).double()
 
     def forward(
         self,
@@ -152,6 +180,7 @@ class CausalQwenContextValues(nn.Module):
         *,
         query_index: torch.Tensor,
         cache: Cache | None = None,
+        starts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Read the context at the new positions `query_index`: the fields of a [`ContextRead`], as a tuple of
         tensors (what DeepSpeed ZeRO-3 hooks a module's backward on; `ContextRead(*outputs)` holds them).
@@ -162,28 +191,31 @@ class CausalQwenContextValues(nn.Module):
             value_transform: the config's transform T.
             query_index: `[1, S']` or `[B, S']`, the new positions whose value is read (those the heads keep).
             cache: the generation cache; one layer after the backbone's holds the path's entries.
+            starts: `[B, S]`, where a new position is the first of its text (position id 0: after left padding, or
+                a packed sequence's next text); None: only the sequence's first.
         """
-        keys, entries = self.entries(hidden_states, is_num, values, value_transform)
-        new_keys = keys
-        new = torch.arange(hidden_states.shape[1], device=keys.device)
+        maps, entries = self.entries(hidden_states, is_num, values, value_transform, starts)
+        new_maps = maps
+        new = torch.arange(hidden_states.shape[1], device=maps.device)
         if cache is not None:
             layer = context_layer(cache)
             before = layer.get_seq_length()
             before = before.clone() if isinstance(before, torch.Tensor) else before  # `update` adds to it in place
-            keys, entries = (t[:, 0] for t in layer.update(keys[:, None], entries[:, None]))
+            maps, entries = (t[:, 0] for t in layer.update(maps[:, None], entries[:, None]))
+            keys = keys_of(maps, entries)
             key_positions = torch.arange(keys.shape[1], device=keys.device)[None]
             new = new + before
             if not isinstance(layer, StaticLayer):  # a static cache keeps its shapes for a compiled forward
                 keys, entries, key_positions = _numbers_only(keys, entries)
         elif torch.compiler.is_compiling():  # a traced graph (export, compile) keeps every position: no data shapes
-            key_positions = new[None]
+            keys, key_positions = keys_of(maps, entries), new[None]
         else:
-            keys, entries, key_positions = _numbers_only(keys, entries)
+            keys, entries, key_positions = _numbers_only(keys_of(maps, entries), entries)
         query_positions = new[query_index]
         queries = torch.take_along_dim(hidden_states, query_index[..., None], dim=1)
         visible = (entries[..., 2] > 0)[:, None, :] & (key_positions[:, None, :] <= query_positions[:, :, None])
         read = self.read(queries, keys, entries, visible, value_transform)
-        in_graph = read.in_graph + 0.0 * new_keys.sum() if self.training and torch.is_grad_enabled() else 0.0
+        in_graph = read.in_graph + 0.0 * new_maps.sum() if self.training and torch.is_grad_enabled() else 0.0
         return read.linear_weight, read.offset, read.width, keys.new_zeros(()) + in_graph
 
     def read(
@@ -226,6 +258,14 @@ class CausalQwenContextValues(nn.Module):
             read.in_graph = 0.0 * (q.sum() + choice.nan_to_num(neginf=0.0).sum() + raw_width.sum()
                                    + self.width_by_choice.sum())
         return read
+
+
+def keys_of(maps: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+    """The keys `[B, L, 3r]` of positions whose maps `[B, L, 6r]` and entries `[B, L, 4]`
+    ([`CausalQwenContextValues.entries`]) run in order from the sequence's start: k_t = (K·z_t + b_K) + K'·z_{t−1},
+    without the second term at a text's first position."""
+    own, before = maps.chunk(2, dim=-1)
+    return own + entries[..., 3:] * nn.functional.pad(before[:, :-1], (0, 0, 1, 0))
 
 
 def _log_candidate(log_combination: torch.Tensor, transform: str) -> torch.Tensor:

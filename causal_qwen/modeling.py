@@ -152,9 +152,11 @@ class CausalQwenAbduction(nn.Module):
         numeric_values: torch.Tensor | None,
         logits_to_keep: int | torch.Tensor,
         cache: Cache | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> ContextRead | None:
         """The read of the earlier `<NUM>` values (docs/design.md §1b) at the new positions `logits_to_keep` keeps
-        (`keep_positions`), or None without the path. `hidden_states` `[B, S, H]` are the new positions' features."""
+        (`keep_positions`), or None without the path. `hidden_states` `[B, S, H]` are the new positions' features;
+        `position_ids` `[B, S]` (or `[1, S]`) mark where a text starts (0), whose key reads nothing before it."""
         if self.context_values is None:
             return None
         positions = torch.arange(hidden_states.shape[1], device=hidden_states.device)[None, :, None]
@@ -165,8 +167,11 @@ class CausalQwenAbduction(nn.Module):
             is_num = input_ids == self.config.num_token_id
         values = numeric_values if numeric_values is not None else torch.zeros(is_num.shape, dtype=torch.float64,
                                                                               device=is_num.device)
+        starts = None
+        if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2:
+            starts = (position_ids == 0).expand(is_num.shape)
         return ContextRead(*self.context_values(hidden_states, is_num, values, self.config.value_transform,
-                                                query_index=query_index, cache=cache))
+                                                query_index=query_index, cache=cache, starts=starts))
 
 
 class CausalQwenAction(nn.Module):
@@ -349,6 +354,8 @@ class CausalQwenPreTrainedModel(Qwen2PreTrainedModel):
     config: CausalQwenConfig
     config_class = CausalQwenConfig
     _no_split_modules = ["Qwen2DecoderLayer"]
+    # Read as 0 from checkpoints saved before they existed (migrations.py): not a tensor drawn afresh.
+    _keys_to_ignore_on_load_missing = [r"context_values\.key_before\.weight$"]
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -368,6 +375,8 @@ class CausalQwenPreTrainedModel(Qwen2PreTrainedModel):
             init.constant_(module.bias, inverse_softplus(config.abduction_scale_init))
         elif isinstance(module, CausalQwenContextValues):
             module.reset_parameters(linear_only=True)
+        elif any(module is a.context_values.key_before for a in abductions if a.context_values is not None):
+            init.zeros_(module.weight)  # as the path starts it; and a checkpoint saved before K' existed reads it as 0
         elif any(module in a.context_values.children() for a in abductions if a.context_values is not None):
             pass  # the path's layers start with the path (above), not as generic Linear layers
         elif isinstance(module, CausalQwenNumericEmbedding):
@@ -464,7 +473,8 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenLoadingMixin, K
         hidden_states = keep_positions(outputs.last_hidden_state, kept)
         loc_u, scale_u = self.abduction(hidden_states)
         cache = outputs.past_key_values if outputs.past_key_values is not None else past_key_values
-        context = self.abduction.read_context(outputs.last_hidden_state, input_ids, numeric_values, kept, cache)
+        context = self.abduction.read_context(outputs.last_hidden_state, input_ids, numeric_values, kept, cache,
+                                              position_ids)
         if generation_state is not None:
             # The mode's own scores reach the loop as scores (generation.DecisionScores); logits stay its loc_S.
             heads = CausalQwenActionOutput(**generation_state.decide(self.action, loc_u, scale_u, context))

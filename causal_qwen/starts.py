@@ -197,7 +197,7 @@ def _read_batch(model, batch, device, decisions_left: int, out: tuple, context: 
         numbers = batch.get("numeric_values")
         if numbers is None:
             numbers = torch.zeros(batch["input_ids"].shape, dtype=torch.float64)
-        context.add(features["z"], batch["input_ids"], numbers, where, num_id)
+        context.add(features["z"], batch["input_ids"], numbers, where, num_id, batch.get("position_ids"))
     if decisions_left > 0:
         following = known_next_tokens(batch)
         known = following != IGNORE_INDEX
@@ -438,14 +438,15 @@ def refit_value_readout(
     return ValueHeadFit(**_fit_value_side(model, rows, penalties))
 
 
-def _fit_value_side(model, rows: _StartRows, penalties: Sequence[float]) -> dict:
-    """The ridge read-out, then the context-value path after it: the start's value side, which every refit repeats.
-    Returns the [`ValueHeadFit`] fields of both."""
+def _fit_value_side(model, rows: _StartRows, penalties: Sequence[float], context_starts: int | None = None) -> dict:
+    """The ridge read-out, then the context-value path after it (from `context_starts` random starts, the library's
+    number by default): the start's value side, which every refit repeats. Returns the [`ValueHeadFit`] fields of
+    both."""
     penalty, error, noise = _write_readout(model, rows.x, rows.y, penalties)
     fields = {"positions": int(rows.x.shape[0]), "penalty": penalty, "loo_median_abs_error": error,
               "regression_noise": noise}
     if rows.context is not None:
-        fields.update(fit_context_values(model, rows.context, rows.x, rows.x_scale, rows.y))
+        fields.update(fit_context_values(model, rows.context, rows.x, rows.x_scale, rows.y, starts=context_starts))
     return fields
 
 
@@ -459,6 +460,7 @@ def fit_value_head(
     num_row: bool = True,
     max_decision_positions: int = 8192,
     num_row_penalty: float = NUM_ROW_PENALTY,
+    context_starts: int | None = None,
 ) -> ValueHeadFit:
     """Set `w_reg`, `b_reg` (and γ_Y when the model has one) from a ridge read-out of loc_U on `batches`, and start
     the `<NUM>` row and bias of the classification head from the same batches ([`num_decision_start`]).
@@ -474,6 +476,8 @@ def fit_value_head(
         max_decision_positions: labelled positions the `<NUM>` decision is fitted on (each costs a pass of the
             `[V, C]` head).
         num_row_penalty: the ridge penalty of the `<NUM>` row's probe (see [`num_decision_start`]).
+        context_starts: random starts of the context-value path's fit (`context_start.fit_context_values`), which
+            keeps the one of least held-out NLL; None: three.
 
     Returns:
         A [`ValueHeadFit`], also stored as a dict in `model.config.value_head_fit` (saved with the config).
@@ -488,7 +492,7 @@ def fit_value_head(
     rows = _read_rows_in_eval(model, batches, max_positions, max_decision_positions if num_row else 0,
                               "fit_value_head")
     action = model.action
-    value_side, decision = _fit_value_side(model, rows, penalties), {}
+    value_side, decision = _fit_value_side(model, rows, penalties, context_starts), {}
     if num_row:
         num_id = model.config.num_token_id
         row = action.cls_head.weight[num_id]

@@ -33,7 +33,7 @@ from .pairing import check_tokenizer_matches
 from .starts import NotEnoughNumbersError, fit_value_head, refit_value_readout
 
 __all__ = ["CausalQwenTrainer", "LEARNING_RATE_SCALES", "ValueHeadStartCallback", "parameter_groups",
-           "readout_parameters"]
+           "readout_parameters", "value_side_parameters"]
 
 logger = logging.get_logger(__name__)
 
@@ -153,6 +153,13 @@ def readout_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [param for name, param in model.named_parameters() if param.requires_grad and is_readout(name)]
 
 
+def value_side_parameters(model: nn.Module, features: bool = True) -> list[nn.Parameter]:
+    """What `CausalQwenTrainer` holds out of the optimizer by default: the read-out ([`readout_parameters`]) and,
+    with `features`, the trainable parameters that loc_U reads beside the backbone (the numeric embedding and the
+    abduction network)."""
+    return readout_parameters(model) + ([param for _, param in _feature_parameters(model)] if features else [])
+
+
 class ValueHeadStartCallback(TrainerCallback):
     """Fit the value head on the training data when training begins (`fit_value_head`), once per model, and keep
     the read-out fitted to loc_U as training moves it (`refit_readout`, the default).
@@ -213,10 +220,7 @@ class ValueHeadStartCallback(TrainerCallback):
         False) until `on_train_end` gives them back."""
         if not self.refit_readout or not _has_value_head(self.trainer.model):
             return
-        model = self.trainer.model
-        held = readout_parameters(model) + ([] if self.train_features else
-                                            [param for _, param in _feature_parameters(model)])
-        for param in held:
+        for param in value_side_parameters(self.trainer.model, features=not self.train_features):
             param.requires_grad_(False)
             self._held.append(param)
 
@@ -308,8 +312,15 @@ class ValueHeadStartCallback(TrainerCallback):
             fit = self.refits[-1][1] if self.refits else None
         if fit is None:
             return
-        self._start_score = _held_out_score(fit)
+        # Rows the features never train on, where the trainer has them: its evaluation data. Without it the score is
+        # the start's on held-out rows of the training data, which the features then train on.
+        evaluated = _eval_value_nll(self.trainer, model)
+        self._start_score = evaluated if evaluated is not None else _held_out_score(fit)
         self._start_features = {name: param.detach().to("cpu", copy=True) for name, param in features}
+        if evaluated is None and self.trainer.is_world_process_zero():
+            logger.warning("train_value_features: without an eval_dataset, the end-of-training check of the trained "
+                           "features scores them on held-out rows of the training data, which they trained on, and "
+                           "favours them; pass an eval_dataset to score them on rows they never saw.")
 
     def _restore_start_features_if_worse(self, model, step: int) -> None:
         """Training moves the features of the value side (the numeric embedding, the abduction network) by what the
@@ -319,7 +330,9 @@ class ValueHeadStartCallback(TrainerCallback):
         again, which gives the start's medians exactly; where it scores no worse, training keeps what it learnt."""
         if self._start_features is None or not self.refits or self.refits[-1][0] != step:
             return
-        worse = _from_process_zero(_held_out_score(self.refits[-1][1]) > self._start_score)
+        evaluated = _eval_value_nll(self.trainer, model)
+        score = evaluated if evaluated is not None else _held_out_score(self.refits[-1][1])
+        worse = _from_process_zero(score > self._start_score)
         self.kept_trained_features = not worse
         if not worse:
             return
@@ -345,6 +358,28 @@ def _held_out_score(fit) -> float:
     """What a start or a refit scores on the rows it held out: the value's NLL with the context-value path, else the
     read-out's leave-one-out median absolute error. Lower is better."""
     return fit.context_nll if fit.context_nll is not None else fit.loo_median_abs_error
+
+
+@torch.no_grad()
+def _eval_value_nll(trainer, model) -> float | None:
+    """The value's mean Cauchy NLL (`reg_loss`) over the trainer's evaluation data, weighted by its `<NUM>` targets;
+    None without evaluation data or without a target in it."""
+    if getattr(trainer, "eval_dataset", None) is None:
+        return None
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        for batch in trainer.get_eval_dataloader():
+            batch = trainer._prepare_inputs(batch)
+            out = model(**batch)
+            labels = batch.get("labels")
+            targets = int((labels[:, 1:] == model.config.num_token_id).sum()) if labels is not None else 0
+            if out.reg_loss is not None and targets:
+                total, count = total + float(out.reg_loss) * targets, count + targets
+    finally:
+        model.train(was_training)
+    return total / count if count else None
 
 
 def _value_features_train(model) -> bool:

@@ -9,11 +9,14 @@ splits: the target's median relative error per template (teacher-forced median a
 `<NUM>`), their mean, and the 50% / 90% interval coverage; on the test texts, next-token accuracy, num_f1 and OvR
 perplexity over every position; and each template's training median as the baseline. `--scales` changes the
 per-module learning rates of the training, and `--train-value-features` trains the features the value reads (arms
-of the mechanism that keeps the start).
+of the mechanism that keeps the start). `--fit-starts` and `--fit-seed` fit the path from other random starts than the
+library's, and `--no-key-before` holds the keys' read of the position before each number at 0 (the path's earlier
+form): the arms of "Keys that read the words before the number" in docs/experiments.md.
 
     python experiments/context_path.py --output runs/context_path                 # the start only
     python experiments/context_path.py --steps 12 --output runs/context_path      # and after 12 steps
     python experiments/context_path.py --profile tiny --output /tmp/context_path  # the pipeline only
+    python experiments/context_path.py --arms on --fit-starts 1 --fit-seed 2 --no-key-before   # one start, old key
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_experiment as experiment  # noqa: E402
 
-from causal_qwen import CausalQwenTokenizer  # noqa: E402
+from causal_qwen import CausalQwenTokenizer, context_start  # noqa: E402
+from causal_qwen import starts as starts_module  # noqa: E402
+from causal_qwen.context_values import CausalQwenContextValues  # noqa: E402
 from causal_qwen.data import CausalQwenDataCollator, template_baselines, tokenize_examples  # noqa: E402
 from causal_qwen.starts import fit_value_head  # noqa: E402
 
@@ -65,6 +70,18 @@ def median_baseline(data: dict) -> dict:
         results[split] = {"per_template": experiment.per_template(predicted, examples),
                           "pooled": pooled_error(predicted, [ex.target_value for ex in examples])}
     return results
+
+
+def ablate_path_fit(fit_starts: int | None, fit_seed: int, no_key_before: bool) -> None:
+    """The path's fit with other starts, or with K' held at 0 (its gradient is then 0, so it stays at its start, 0)."""
+    if fit_starts is not None:
+        context_start._STARTS = fit_starts
+    if fit_seed:
+        fit = starts_module.fit_context_values
+        starts_module.fit_context_values = lambda *a, **k: fit(*a, **{**k, "seed": fit_seed})
+    if no_key_before:
+        keys = CausalQwenContextValues.keys
+        CausalQwenContextValues.keys = lambda self, own, before: keys(self, own, before * 0.0)
 
 
 def run_arm(on: bool, profile, tokenizer, data: dict, args) -> dict:
@@ -130,9 +147,14 @@ def main() -> None:
                         help='learning-rate multiples over the defaults, JSON (e.g. \'{"numeric_embedding": 1e-9}\')')
     parser.add_argument("--train-value-features", action="store_true",
                         help="train the numeric embedding and the abduction network (default: held, as the library)")
+    parser.add_argument("--fit-starts", type=int, help="random starts of the path's fit (the library's: 3)")
+    parser.add_argument("--fit-seed", type=int, default=0, help="the seed of the path fit's first start")
+    parser.add_argument("--no-key-before", action="store_true",
+                        help="hold K' (the keys' read of the position before each number) at 0 in the path's fit")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="runs/context_path")
     args = parser.parse_args()
+    ablate_path_fit(args.fit_starts, args.fit_seed, args.no_key_before)
     profile = experiment.PROFILES[args.profile]
     data = experiment.load_data(profile, args.seed)
     tokenizer = CausalQwenTokenizer.from_pretrained(experiment.QWEN_DIR)

@@ -68,7 +68,10 @@ def reference_value(model, ids, values):
             scores = [float(choice[0])] + ([float(choice[1]), float(choice[2])] if numbers else [])
             copies, log_sum, raw_sum = [], 0.0, 0.0
             for j in numbers:
+                # The key reads the number's features and those of the position before it (none before the first).
                 k = p["key.weight"] @ z[i, j] + p["key.bias"]
+                if j > 0:
+                    k = k + p["key_before.weight"] @ z[i, j - 1]
                 v = float(values[i, j])
                 scores.append(float(q[:r] @ k[:r]) / math.sqrt(r))
                 copies.append(symlog(v))
@@ -148,6 +151,46 @@ def test_a_saturated_pointer_copies_the_value_exactly(model):
     # floor, scale_min = 1e-6 in symlog units, a 90% interval of 2·tan(0.45π)·1e-6 ≈ 1.3e-5 of the value.
     assert float((upper - lower)[0, -1]) < 2e-5 * 284959.937
     assert median[0, :3].sub(284959.937).abs().min() > 1.0  # no number before position 3: the linear law
+
+
+def test_left_padding_changes_no_position(model):
+    """A text read alone and after left padding (its position ids from 0 at its first token, as `generate` sets them)
+    gives the same value at each of its positions: a key reads the position before its number only within the
+    number's own text, here a `<NUM>` that is the text's first token, after the padding."""
+    ids, values = numbers_batch()
+    text, text_values = ids[1, 1:].clone(), values[1, 1:].clone()  # starts with its <NUM> (4.0e5)
+    n = text.shape[0]
+    with torch.no_grad():
+        alone = model(text[None], numeric_values=text_values[None]).loc_Y[0]
+        padded_ids = torch.cat((torch.full((3,), PAD), text))[None]
+        padded_values = torch.cat((torch.zeros(3, dtype=torch.float64), text_values))[None]
+        mask = (torch.arange(n + 3) >= 3).long()[None]
+        padded = model(padded_ids, numeric_values=padded_values, attention_mask=mask,
+                       position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).loc_Y[0, 3:]
+    torch.testing.assert_close(padded, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_a_checkpoint_saved_before_the_key_read_the_position_before_loads_as_it_was(model, tmp_path):
+    """K' (`key_before`) is new: a checkpoint without it, through `from_pretrained` and through `load_state_dict`,
+    reads it as 0, the path that checkpoint saved, and not a tensor drawn afresh."""
+    from safetensors.torch import load_file, save_file
+
+    with torch.no_grad():
+        model.abduction.context_values.key_before.weight.zero_()
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["abduction.context_values.key_before.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded = CausalQwenForCausalLM.from_pretrained(tmp_path).eval()
+    fresh = CausalQwenForCausalLM(model.config).eval()
+    assert fresh.load_state_dict({k: v for k, v in model.state_dict().items() if "key_before" not in k}).missing_keys \
+        == []
+    ids, values = numbers_batch()
+    with torch.no_grad():
+        expected = model(ids, numeric_values=values).loc_Y
+        for again in (loaded, fresh):
+            assert again.abduction.context_values.key_before.weight.abs().max() == 0
+            assert torch.equal(again(ids, numeric_values=values).loc_Y, expected)
 
 
 def test_cached_decoding_equals_a_full_forward(model):

@@ -165,7 +165,8 @@ def model_value_nll(model, data: list[dict]) -> float:
 
 def test_training_the_features_with_the_context_path_keeps_the_start(tiny_qwen, tmp_path):
     """The path (docs/design.md §1b) is held out of the optimizer with the read-out and refitted with it: after
-    training the features the model's held-out value NLL is no worse than right after the start."""
+    training the features the model's held-out value NLL is no worse than right after the start, the end-of-training
+    check scoring the features on the evaluation data, which they never trained on."""
     train, held_out = related(256, seed=1), related(64, seed=2)
     model = fresh(tiny_qwen, context_values=True)
     at_start = {}
@@ -174,7 +175,7 @@ def test_training_the_features_with_the_context_path_keeps_the_start(tiny_qwen, 
         def on_step_begin(self, args, state, control, model=None, **kwargs):
             at_start.setdefault("nll", model_value_nll(model, held_out))
 
-    trainer = CausalQwenTrainer(model=model, args=args(tmp_path, 24), train_dataset=train,
+    trainer = CausalQwenTrainer(model=model, args=args(tmp_path, 24), train_dataset=train, eval_dataset=held_out,
                                 data_collator=CausalQwenDataCollator(0), callbacks=[Start()],
                                 train_value_features=True)
     path = set(map(id, model.abduction.context_values.parameters()))

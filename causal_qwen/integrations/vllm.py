@@ -21,8 +21,9 @@ The per-request state lives in the worker: [`CausalQwenRequests`], a logits proc
 sees every request enter, leave and move in the batch) shares it with the model.
 
 With the context-value path (`config.context_values`, docs/design.md §1b) the state of a request also holds the path's
-keys and entries of its `<NUM>` positions, which the library keeps as a layer of its generation cache: the value head
-reads them at every step through the library's own `CausalQwenContextValues.entries` and `read`. Prefix caching would
+keys and entries of its `<NUM>` positions, which the library keeps as a layer of its generation cache (with the map of
+its last position, which the key of a `<NUM>` read at the next step needs): the value head reads them at every step
+through the library's own `CausalQwenContextValues.entries` and `read`. Prefix caching would
 skip the prompt positions whose keys the path needs, so it is turned off for such a checkpoint.
 """
 
@@ -214,6 +215,8 @@ class RequestNumbers:
     key: str | None = None
     predicted: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # position → value, loc_Y, scale_Y
     context: ContextEntries | None = None  # the context-value path's entries of the request's `<NUM>` positions
+    # (position, K'·z) of the request's last position so far: the key of a `<NUM>` that starts the next forward reads it
+    last_before: tuple[int, torch.Tensor] | None = None
 
     def predict(self, position: int, value: float, loc: float, scale: float) -> None:
         """Record the value head's prediction for `position`. The first stands: a preempted request computes its
@@ -254,7 +257,7 @@ class RequestNumbers:
 
 @dataclass
 class ContextEntries:
-    """The context-value path's keys `[n, 3r]` and entries `[n, 3]` (y, v, is `<NUM>`; float64, as
+    """The context-value path's keys `[n, 3r]` and entries `[n, 4]` (y, v, is `<NUM>`, follows; float64, as
     `CausalQwenContextValues.entries` gives them) of one request's `<NUM>` positions `[n]`, in position order."""
 
     positions: torch.Tensor
@@ -265,7 +268,7 @@ class ContextEntries:
     def empty(cls, width: int, device: torch.device) -> ContextEntries:
         return cls(torch.zeros(0, dtype=torch.long, device=device),
                    torch.zeros(0, width, dtype=torch.float64, device=device),
-                   torch.zeros(0, 3, dtype=torch.float64, device=device))
+                   torch.zeros(0, 4, dtype=torch.float64, device=device))
 
     def update(self, first: int, positions: torch.Tensor, keys: torch.Tensor, entries: torch.Tensor) -> None:
         """The entries of a forward over the positions from `first` on: those kept from positions at or after
@@ -480,7 +483,8 @@ class CausalQwenForVLLM(nn.Module):
     def _keep_context(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None, positions: torch.Tensor,
                       values: torch.Tensor | None, rows: list[int]) -> None:
         """Add the path's keys and entries of this forward's `<NUM>` positions to their requests' (the backbone's
-        final features, as the library's forward passes them to `read_context`)."""
+        final features, as the library's forward passes them to `read_context`). A key reads the number's features
+        and those of the position before it, which the previous forward computed where the number starts this one."""
         path = self.abduction.context_values
         if values is not None:  # the forward has numbers
             index = (input_ids == self.num_token_id).nonzero().flatten()
@@ -488,7 +492,9 @@ class CausalQwenForVLLM(nn.Module):
             index = positions.new_zeros(0, dtype=torch.long)
         is_num = torch.ones(1, index.numel(), dtype=torch.bool, device=index.device)
         values = values[index] if values is not None else torch.zeros(0, dtype=torch.float64, device=index.device)
-        keys, entries = path.entries(hidden_states[None, index], is_num, values[None], self.config.value_transform)
+        maps, entries = path.entries(hidden_states[None, index], is_num, values[None], self.config.value_transform)
+        own = maps[0, :, :maps.shape[-1] // 2]
+        before = path.key_before(hidden_states[(index - 1).clamp(min=0)]).double()
         number_positions = positions[index]
         starts = torch.tensor(rows, device=index.device)
         owners = torch.searchsorted(starts, index, right=True) - 1
@@ -498,9 +504,19 @@ class CausalQwenForVLLM(nn.Module):
             if request is None:
                 continue
             if request.context is None:
-                request.context = ContextEntries.empty(keys.shape[-1], keys.device)
+                request.context = ContextEntries.empty(own.shape[-1], own.device)
             mine = owners == row
-            request.context.update(first, number_positions[mine], keys[0, mine], entries[0, mine])
+            leading = mine & (index == starts[row])  # a number that starts this forward: its position before is older
+            if bool(leading.any()) and first > 0:
+                if request.last_before is None or request.last_before[0] != first - 1:
+                    raise RuntimeError(f"the features of position {first - 1}, before a <NUM> at {first}, were not "
+                                       "kept: the request's positions did not run in order")
+                before[leading] = request.last_before[1]
+            elif bool(leading.any()):
+                before[leading] = 0.0  # nothing before the text's start
+            request.context.update(first, number_positions[mine], own[mine] + before[mine], entries[0, mine])
+            end = rows[row + 1] - 1
+            request.last_before = (int(positions[end]), path.key_before(hidden_states[end]).double())
 
     def _row_starts(self) -> list[int] | None:
         """Where each request's tokens start in the flat batch (`query_start_loc`), None outside a real step."""
