@@ -64,7 +64,7 @@ class ValueHeadFit:
     (‖Δw‖/‖w‖), the bias offset, and standard mode's num_f1 on those positions before and after; and for the
     context-value path (None without it, `context_start.fit_context_values`): its rows, the held-out value NLL of
     the linear read-out alone and of the path, the step it kept (0: the linear read-out alone) and the shift of
-    its log-width per choice fitted on the held-out rows.
+    its log-width per choice fitted on the held-out rows, and the seed of the random start it kept.
     """
 
     positions: int
@@ -81,6 +81,7 @@ class ValueHeadFit:
     context_nll: float | None = None
     context_step: int | None = None
     context_width_shift: list[float] | None = None
+    context_seed: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -435,18 +436,28 @@ def refit_value_readout(
     start on Qwen2.5-0.5B after 12 steps (docs/experiments.md).
     """
     rows = _read_rows_in_eval(model, batches, max_positions, 0, "refit_value_readout")
-    return ValueHeadFit(**_fit_value_side(model, rows, penalties))
+    started = (model.config.value_head_fit or {}).get("context_seed")
+    return ValueHeadFit(**_fit_value_side(model, rows, penalties, None if started is None else 1, started or 0,
+                                          refit=True))
 
 
-def _fit_value_side(model, rows: _StartRows, penalties: Sequence[float], context_starts: int | None = None) -> dict:
-    """The ridge read-out, then the context-value path after it (from `context_starts` random starts, the library's
-    number by default): the start's value side, which every refit repeats. Returns the [`ValueHeadFit`] fields of
-    both."""
+def _fit_value_side(model, rows: _StartRows, penalties: Sequence[float], context_starts: int | None = None,
+                    context_seed: int = 0, refit: bool = False) -> dict:
+    """The ridge read-out, then the context-value path after it (from `context_starts` random starts from seed
+    `context_seed`, the library's number by default): the start's value side, which every refit repeats. Returns the
+    [`ValueHeadFit`] fields of both.
+
+    A refit fits the path from the one random start the start kept (`config.value_head_fit["context_seed"]`) and,
+    beside it, keeps the path as it is or continues its fit from there where that scores better on the held-out rows.
+    The fit is chaotic (on a tiny model a start's held-out NLL moved from 0.67 to 0.81 with the number of threads):
+    refits from random starts alone landed in other minima than the start's, and the end-of-training check of trained
+    features restored features that had not moved."""
     penalty, error, noise = _write_readout(model, rows.x, rows.y, penalties)
     fields = {"positions": int(rows.x.shape[0]), "penalty": penalty, "loo_median_abs_error": error,
               "regression_noise": noise}
     if rows.context is not None:
-        fields.update(fit_context_values(model, rows.context, rows.x, rows.x_scale, rows.y, starts=context_starts))
+        fields.update(fit_context_values(model, rows.context, rows.x, rows.x_scale, rows.y, seed=context_seed,
+                                         starts=context_starts, from_current=refit))
     return fields
 
 

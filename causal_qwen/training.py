@@ -28,6 +28,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.utils import logging
 
 from .checks import check_positive_finite
+from .context_start import held_out_rows
 from .labels import IGNORE_INDEX, next_token_targets
 from .pairing import check_tokenizer_matches
 from .starts import NotEnoughNumbersError, fit_value_head, refit_value_readout
@@ -63,6 +64,10 @@ Qwen2.5-0.5B experiment (AdamW, no weight decay).
 # torch.compile and FSDP1 / activation-checkpointing wrappers.
 _WRAPPER_WITH_ADAPTER = "modules_to_save"
 _WRAPPERS = {"original_module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
+
+# Fewer held-out values than this cannot tell trained features from the start's (the path's fit on a few rows is as
+# chaotic as its difference): the end-of-training check is then not made and trained features are kept.
+_MIN_CHECK_ROWS = 20
 
 
 
@@ -315,7 +320,13 @@ class ValueHeadStartCallback(TrainerCallback):
         # Rows the features never train on, where the trainer has them: its evaluation data. Without it the score is
         # the start's on held-out rows of the training data, which the features then train on.
         evaluated = _eval_value_nll(self.trainer, model)
-        self._start_score = evaluated if evaluated is not None else _held_out_score(fit)
+        score, rows = evaluated if evaluated is not None else _held_out_score(fit)
+        if rows < _MIN_CHECK_ROWS:
+            if self.trainer.is_world_process_zero():
+                logger.warning(f"train_value_features: {rows} held-out values are too few to check the trained "
+                               f"features against the start's (at least {_MIN_CHECK_ROWS}); they are kept as trained.")
+            return
+        self._start_score = score
         self._start_features = {name: param.detach().to("cpu", copy=True) for name, param in features}
         if evaluated is None and self.trainer.is_world_process_zero():
             logger.warning("train_value_features: without an eval_dataset, the end-of-training check of the trained "
@@ -331,7 +342,7 @@ class ValueHeadStartCallback(TrainerCallback):
         if self._start_features is None or not self.refits or self.refits[-1][0] != step:
             return
         evaluated = _eval_value_nll(self.trainer, model)
-        score = evaluated if evaluated is not None else _held_out_score(self.refits[-1][1])
+        score, _ = evaluated if evaluated is not None else _held_out_score(self.refits[-1][1])
         worse = _from_process_zero(score > self._start_score)
         self.kept_trained_features = not worse
         if not worse:
@@ -354,16 +365,18 @@ class ValueHeadStartCallback(TrainerCallback):
             logger.warning(message)
 
 
-def _held_out_score(fit) -> float:
-    """What a start or a refit scores on the rows it held out: the value's NLL with the context-value path, else the
-    read-out's leave-one-out median absolute error. Lower is better."""
-    return fit.context_nll if fit.context_nll is not None else fit.loo_median_abs_error
+def _held_out_score(fit) -> tuple[float, int]:
+    """What a start or a refit scores on the rows it held out, and how many: the value's NLL with the context-value
+    path, else the read-out's leave-one-out median absolute error. Lower is better."""
+    if fit.context_nll is not None:
+        return fit.context_nll, held_out_rows(fit.context_rows)
+    return fit.loo_median_abs_error, fit.positions
 
 
 @torch.no_grad()
-def _eval_value_nll(trainer, model) -> float | None:
-    """The value's mean Cauchy NLL (`reg_loss`) over the trainer's evaluation data, weighted by its `<NUM>` targets;
-    None without evaluation data or without a target in it."""
+def _eval_value_nll(trainer, model) -> tuple[float, int] | None:
+    """The value's mean Cauchy NLL (`reg_loss`) over the trainer's evaluation data, weighted by its `<NUM>` targets,
+    and their number; None without evaluation data or without a target in it."""
     if getattr(trainer, "eval_dataset", None) is None:
         return None
     was_training = model.training
@@ -379,7 +392,7 @@ def _eval_value_nll(trainer, model) -> float | None:
                 total, count = total + float(out.reg_loss) * targets, count + targets
     finally:
         model.train(was_training)
-    return total / count if count else None
+    return (total / count, count) if count else None
 
 
 def _value_features_train(model) -> bool:

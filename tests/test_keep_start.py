@@ -238,6 +238,29 @@ def test_features_that_train_worse_than_the_start_are_restored(tiny_qwen, tmp_pa
     assert not torch.equal(model.numeric_embedding.w_num, at_start["w_num"])
 
 
+def test_too_few_held_out_values_make_no_check_and_keep_the_trained_features(tiny_qwen, tmp_path, caplog):
+    """40 texts give the path 80 rows, of which 16 are held out: too few to tell trained features from the start's
+    (the path's fit on so few rows varies more than their difference), so even features as bad as the ones of the
+    test above are kept, and the trainer says why."""
+
+    class Scramble(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step == state.max_steps:
+                with torch.no_grad():
+                    model.abduction.loc_net.weight.zero_()
+
+    model = fresh(tiny_qwen, context_values=True)
+    trainer = CausalQwenTrainer(model=model, args=args(tmp_path, 2), train_dataset=related(40, seed=1),
+                                data_collator=CausalQwenDataCollator(0), callbacks=[Scramble()],
+                                train_value_features=True)
+    with caplog.at_level("WARNING", logger="causal_qwen.training"):
+        trainer.train()
+    assert model.config.value_head_fit["context_rows"] == 80
+    assert trainer.value_head_start.kept_trained_features is None
+    assert not model.abduction.loc_net.weight.any()
+    assert any("16 held-out values are too few" in r.getMessage() for r in caplog.records)
+
+
 def test_evaluations_and_checkpoints_see_the_refitted_readout_and_resume_keeps_it(tiny_qwen, tmp_path):
     train = related(32, seed=1)
 
