@@ -110,7 +110,8 @@ def _read(path, transform, queries, keys, values, present):
 
 
 def fit_context_values(model, rows: ContextRows, x: torch.Tensor, scale_u: torch.Tensor, y: torch.Tensor,
-                       seed: int = 0, starts: int | None = None, from_current: bool = False) -> dict:
+                       seed: int = 0, starts: int | None = None, from_current: bool = False,
+                       loo_residuals: torch.Tensor | None = None) -> dict:
     """Fit `model.abduction.context_values` on the value head's rows and write it; returns the record.
 
     Args:
@@ -122,6 +123,10 @@ def fit_context_values(model, rows: ContextRows, x: torch.Tensor, scale_u: torch
             fit is not convex, and a refit only from random starts can land in another minimum than the start's,
             worse on the held-out rows although the features did not move. With it, the kept fit scores no worse on
             the held-out rows than the path as it was.
+        loo_residuals: the read-out's leave-one-out residuals `[N]` (`starts._ridge`), which the widths'
+            calibration reads at the held-out rows: the read-out was fitted on them too, so its own residuals there
+            are in-sample and narrowed the intervals (on 128 one-number completions of real tables, 50% intervals
+            covered 0.19 of the test targets).
     """
     path: CausalQwenContextValues = model.abduction.context_values
     action = model.action
@@ -173,7 +178,10 @@ def fit_context_values(model, rows: ContextRows, x: torch.Tensor, scale_u: torch
     small.load_state_dict(chosen)
     shift = torch.zeros_like(chosen["width_by_choice"])
     if noise > 0 and int(held.sum()) >= _MIN_CALIBRATION_ROWS:
-        shift = _calibrate_width(small, transform, split[True], noise, floor)
+        calibration = list(split[True])
+        if loo_residuals is not None:  # the read-out's locations as it predicts rows it was not fitted on
+            calibration[4] = (y - loo_residuals[:n].double())[held]
+        shift = _calibrate_width(small, transform, calibration, noise, floor)
     chosen["width_by_choice"] = chosen["width_by_choice"] + shift
     _write_back(path, chosen, mean, to_coords)
     return {"context_rows": n, "context_nll_linear": baseline, "context_nll": best[0], "context_step": best[2],

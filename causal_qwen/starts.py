@@ -63,8 +63,9 @@ class ValueHeadFit:
     the `<NUM>` decision (None when off): the labelled positions it read, how far the `<NUM>` row moved
     (‖Δw‖/‖w‖), the bias offset, and standard mode's num_f1 on those positions before and after; and for the
     context-value path (None without it, `context_start.fit_context_values`): its rows, the held-out value NLL of
-    the linear read-out alone and of the path, the step it kept (0: the linear read-out alone) and the shift of
-    its log-width per choice fitted on the held-out rows, and the seed of the random start it kept.
+    the linear read-out alone and of the path, the step it kept (0: the linear read-out alone, or in a refit the
+    path as it was) and the shift of its log-width per choice fitted on the held-out rows, and the seed of the
+    random start it kept.
     """
 
     positions: int
@@ -345,6 +346,13 @@ def ridge_readout(
     Returns:
         `(weight [C], bias, penalty, median |LOO residual|)`, in float64.
     """
+    return _ridge(x, y, penalties)[:4]
+
+
+def _ridge(x: torch.Tensor, y: torch.Tensor, penalties: Sequence[float],
+           ) -> tuple[torch.Tensor, float, float, float, torch.Tensor]:
+    """[`ridge_readout`], and its leave-one-out residuals `[N]` at the chosen penalty (y_i less the prediction of the
+    read-out fitted without row i)."""
     if x.dim() != 2 or y.dim() != 1 or x.shape[0] != y.shape[0]:
         raise ValueError(f"x must be [N, C] and y [N], got {tuple(x.shape)} and {tuple(y.shape)}")
     if x.shape[0] < 3:
@@ -369,12 +377,12 @@ def ridge_readout(
         loo = (centred - fitted) / (1.0 - leverage).clamp(min=1e-12)
         error = loo.abs().quantile(0.5).item()
         if best is None or error < best[1]:
-            best = (penalty, error, shrink)
-    penalty, error, shrink = best
+            best = (penalty, error, shrink, loo)
+    penalty, error, shrink, loo = best
     coef = vh.T @ (shrink / s.clamp(min=1e-12) * uty)
     weight = coef / std
     bias = (y.mean() - (weight * mean).sum()).item()
-    return weight, bias, float(penalty), float(error)
+    return weight, bias, float(penalty), float(error), loo
 
 
 def _check_readout_fits(weight: torch.Tensor, bias: float, y: torch.Tensor, dtype: torch.dtype,
@@ -398,10 +406,11 @@ def _check_readout_fits(weight: torch.Tensor, bias: float, y: torch.Tensor, dtyp
 
 
 def _write_readout(model, x: torch.Tensor, y: torch.Tensor, penalties: Sequence[float],
-                   ) -> tuple[float, float, float | None]:
-    """Write the ridge read-out of `y` on `x` into `w_reg`, `b_reg` and γ_Y; `(penalty, LOO error, γ_Y or None)`."""
+                   ) -> tuple[float, float, float | None, torch.Tensor]:
+    """Write the ridge read-out of `y` on `x` into `w_reg`, `b_reg` and γ_Y; `(penalty, LOO error, γ_Y or None, LOO
+    residuals [N])`."""
     action = model.action
-    weight, bias, penalty, error = ridge_readout(x, y, penalties)
+    weight, bias, penalty, error, loo = _ridge(x, y, penalties)
     _check_readout_fits(weight, bias, y, action.reg_head.weight.dtype, model.config.value_transform)
     action.reg_head.weight.copy_(weight.to(action.reg_head.weight)[None])
     action.reg_head.bias.fill_(bias)
@@ -409,7 +418,7 @@ def _write_readout(model, x: torch.Tensor, y: torch.Tensor, penalties: Sequence[
     if action.reg_log_noise is not None:
         noise = max(error, model.config.scale_min)
         action.reg_log_noise.fill_(math.log(noise))
-    return penalty, error, noise
+    return penalty, error, noise, loo
 
 
 @torch.no_grad()
@@ -452,12 +461,12 @@ def _fit_value_side(model, rows: _StartRows, penalties: Sequence[float], context
     The fit is chaotic (on a tiny model a start's held-out NLL moved from 0.67 to 0.81 with the number of threads):
     refits from random starts alone landed in other minima than the start's, and the end-of-training check of trained
     features restored features that had not moved."""
-    penalty, error, noise = _write_readout(model, rows.x, rows.y, penalties)
+    penalty, error, noise, loo = _write_readout(model, rows.x, rows.y, penalties)
     fields = {"positions": int(rows.x.shape[0]), "penalty": penalty, "loo_median_abs_error": error,
               "regression_noise": noise}
     if rows.context is not None:
         fields.update(fit_context_values(model, rows.context, rows.x, rows.x_scale, rows.y, seed=context_seed,
-                                         starts=context_starts, from_current=refit))
+                                         starts=context_starts, from_current=refit, loo_residuals=loo))
     return fields
 
 
