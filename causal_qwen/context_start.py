@@ -17,13 +17,13 @@ before each of those (which the keys read too; 0 at a text's start, as in the mo
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from .cauchy import nll
-from .context_values import LINEAR_ONLY_SCORE, MAX_LOG_WIDTH, CausalQwenContextValues
+from .context_values import LINEAR_ONLY_SCORE, MAX_LOG_WIDTH, CausalQwenContextValues, entry_values
 
 __all__ = ["ContextRows", "fit_context_values", "held_out_rows"]
 
@@ -96,17 +96,33 @@ def _coordinates(queries: torch.Tensor, keys: torch.Tensor, present: torch.Tenso
     return mean, vh[:dims].T / scale
 
 
-def _value(path, transform, queries, keys, values, present, loc_linear, spread, noise):
-    """The value's `(loc, scale)` `[N]` through `path` on coordinates (`ContextRead.apply`); `keys` `[N, J, 2d]`
-    holds each earlier number's coordinates and those of the position before it."""
-    read = _read(path, transform, queries, keys, values, present)
-    return read.apply(loc_linear[:, None], spread[:, None], noise)
+class _Rows(NamedTuple):
+    """One split of the rows, float64, in the coordinates: queries `[N, d]`, keys `[N, J, 2d]` (each earlier number's
+    coordinates and those of the position before it), their entries `[N, J, 4]` and presence `[N, J]`, the linear
+    read-out's location and spread `[N]`, and the targets `[N]`."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    entries: torch.Tensor
+    present: torch.Tensor
+    loc_linear: torch.Tensor
+    spread: torch.Tensor
+    target: torch.Tensor
 
 
-def _read(path, transform, queries, keys, values, present):
-    own, before = keys.chunk(2, dim=-1)
-    _, entries = path.entries(own, present, values, transform)
-    return path.read(queries[:, None], path.keys(own, before), entries, present[:, None], transform)
+def _value(path, transform, rows: _Rows, noise):
+    """The value's `(loc, scale)` `[N]` through `path` on coordinates (`ContextRead.apply`)."""
+    loc, scale = _read(path, transform, rows).apply(rows.loc_linear[:, None], rows.spread[:, None], noise)
+    return loc[:, 0], scale[:, 0]
+
+
+def _read(path, transform, rows: _Rows):
+    own, before = rows.keys.chunk(2, dim=-1)
+    return path.read(rows.queries[:, None], path.keys(own, before), rows.entries, rows.present[:, None], transform)
+
+
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
 
 
 def fit_context_values(model, rows: ContextRows, x: torch.Tensor, scale_u: torch.Tensor, y: torch.Tensor,
@@ -132,6 +148,9 @@ def fit_context_values(model, rows: ContextRows, x: torch.Tensor, scale_u: torch
     action = model.action
     n = min(len(rows.queries), len(y))
     queries, keys, values, present = rows.stacked(n)
+    # The earlier numbers fill each row's first slots: slots no row uses weigh exactly 0 in every sum, so they go.
+    slots = max(int(present.sum(-1).max()), 1)
+    keys, values, present = keys[:, :slots], values[:, :slots], present[:, :slots]
     x, scale_u, y = x[:n].double(), scale_u[:n].double(), y[:n].double()
     w = action.reg_head.weight.detach().double().cpu()[0]
     loc_linear = x @ w + float(action.reg_head.bias)
@@ -142,20 +161,21 @@ def fit_context_values(model, rows: ContextRows, x: torch.Tensor, scale_u: torch
     cq = (queries.double() - mean) @ to_coords
     ck = torch.cat([((part.double() - mean) @ to_coords) * present[..., None] for part in (own, before)], -1)
     transform, floor = model.config.value_transform, model.config.scale_min
+    entries = entry_values(present, values, transform)
     held = torch.arange(n) % _HELD_OUT_EVERY == 0
 
-    parts = (cq, ck, values, present, loc_linear, spread, y)
-    split = {True: [t[held] for t in parts], False: [t[~held] for t in parts]}
+    every = _Rows(cq, ck, entries, present, loc_linear, spread, y)
+    split = {True: _Rows(*(t[held] for t in every)), False: _Rows(*(t[~held] for t in every))}
 
     def loss(small, on_held_out: bool):
-        *inputs, target = split[on_held_out]
-        loc, scale = _value(small, transform, *inputs, noise)
-        return nll(target, loc[:, 0], scale[:, 0].clamp(min=floor)).mean()
+        rows = split[on_held_out]
+        loc, scale = _value(small, transform, rows, noise)
+        return nll(rows.target, loc, scale.clamp(min=floor)).mean()
 
     def start(draw: int) -> CausalQwenContextValues:
         small = CausalQwenContextValues(cq.shape[1], path.rank).double()
         small.reset_parameters(torch.Generator().manual_seed(seed + draw), keep_loaded=False)
-        return small
+        return small.eval()  # eval: the fit has no use for the training forward's zero terms (`ContextRead.in_graph`)
 
     linear_only = start(0)
     with torch.no_grad():
@@ -169,7 +189,7 @@ def fit_context_values(model, rows: ContextRows, x: torch.Tensor, scale_u: torch
     if from_current:
         current = _read_back(path, start(0), mean, to_coords)
         with torch.no_grad():
-            as_it_is = (float(loss(current, True)), copy.deepcopy(current.state_dict()), 0, seed)
+            as_it_is = (float(loss(current, True)), _state(current), 0, seed)
         fits += [as_it_is, (*_fit_from(current, loss, split, transform, noise), seed)]
     fits = [fit for fit in fits if fit[1] is not None and fit[0] < baseline]
     best = min(fits, key=lambda fit: fit[0]) if fits else (baseline, None, 0, None)
@@ -178,9 +198,9 @@ def fit_context_values(model, rows: ContextRows, x: torch.Tensor, scale_u: torch
     small.load_state_dict(chosen)
     shift = torch.zeros_like(chosen["width_by_choice"])
     if noise > 0 and int(held.sum()) >= _MIN_CALIBRATION_ROWS:
-        calibration = list(split[True])
+        calibration = split[True]
         if loo_residuals is not None:  # the read-out's locations as it predicts rows it was not fitted on
-            calibration[4] = (y - loo_residuals[:n].double())[held]
+            calibration = calibration._replace(loc_linear=(y - loo_residuals[:n].double())[held])
         shift = _calibrate_width(small, transform, calibration, noise, floor)
     chosen["width_by_choice"] = chosen["width_by_choice"] + shift
     _write_back(path, chosen, mean, to_coords)
@@ -192,9 +212,9 @@ def _fit_from(small, loss, split, transform: str, noise: float) -> tuple[float, 
     """Fit the path `small` from its start: `(held-out NLL, state or None, step)`, None where the locations never beat
     the linear read-out's on the held-out rows."""
     def absolute_error(held_out: bool):
-        *inputs, target = split[held_out]
-        loc, _ = _value(small, transform, *inputs, noise)
-        return (loc[:, 0] - target).abs().mean()
+        rows = split[held_out]
+        loc, _ = _value(small, transform, rows, noise)
+        return (loc - rows.target).abs().mean()
 
     with torch.no_grad():
         linear_error = float(absolute_error(True))
@@ -210,7 +230,7 @@ def _fit_from(small, loss, split, transform: str, noise: float) -> tuple[float, 
     with torch.no_grad():
         located_nll = float(loss(small, True))
     widened = _descend(small, widths, lambda held_out: loss(small, held_out), located_nll)
-    state = widened[1] if widened[1] is not None else copy.deepcopy(small.state_dict())
+    state = widened[1] if widened[1] is not None else _state(small)
     return min(widened[0], located_nll), state, best[2]
 
 
@@ -228,13 +248,13 @@ def _descend(small, params: list, objective, baseline: float) -> tuple[float, di
         with torch.no_grad():
             held_out = float(objective(True))
         if held_out < best[0]:
-            best = (held_out, copy.deepcopy(small.state_dict()), step)
+            best = (held_out, _state(small), step)
         elif step - best[2] >= _PATIENCE:
             break
     return best
 
 
-def _calibrate_width(small, transform, held_out, noise: float, floor: float) -> torch.Tensor:
+def _calibrate_width(small, transform, held_out: _Rows, noise: float, floor: float) -> torch.Tensor:
     """A shift of log ρ for the read-out's share of the choice and one for the path's (added to `width_by_choice`,
     the path's three entries alike) that minimise the value's NLL on the held-out rows.
 
@@ -246,12 +266,11 @@ def _calibrate_width(small, transform, held_out, noise: float, floor: float) -> 
     held-out rows hardly make has no residuals to fit, and its shift drifted to ±80 on the tiny model of
     tests/test_keep_start.py, which then misjudged the width wherever that choice was made.
     """
-    *inputs, target = held_out
-    queries, keys, values, present, loc_linear, spread = inputs
     with torch.no_grad():
-        read = _read(small, transform, queries, keys, values, present)
-    loc = (read.linear_weight * loc_linear[:, None] + read.offset)[:, 0]
-    fixed, log_width, choice = (read.linear_weight * spread[:, None])[:, 0], read.width[:, 0].log(), read.choice[:, 0]
+        read = _read(small, transform, held_out)
+    loc = (read.linear_weight * held_out.loc_linear[:, None] + read.offset)[:, 0]
+    fixed = (read.linear_weight * held_out.spread[:, None])[:, 0]
+    log_width, choice = read.width[:, 0].log(), read.choice[:, 0]
     shares = torch.stack((choice[:, 0], choice[:, 1:].sum(-1)), -1)  # the read-out's and the path's
     shift = torch.zeros(2, dtype=torch.float64, requires_grad=True)
     optimizer = torch.optim.LBFGS([shift], max_iter=200, line_search_fn="strong_wolfe")
@@ -259,7 +278,7 @@ def _calibrate_width(small, transform, held_out, noise: float, floor: float) -> 
     def closure():
         optimizer.zero_grad()
         width = (log_width + shares @ shift).clamp(-MAX_LOG_WIDTH, MAX_LOG_WIDTH).exp()  # as the model bounds ρ
-        loss = nll(target, loc, (fixed + noise * width).clamp(min=floor)).mean()
+        loss = nll(held_out.target, loc, (fixed + noise * width).clamp(min=floor)).mean()
         loss.backward()
         return loss
 

@@ -157,10 +157,7 @@ class CausalQwenContextValues(nn.Module):
         unless `starts` `[B, S]` marks the position as a text's first, whose key reads nothing before it) of new
         positions, float64; [`keys_of`] makes the keys of them."""
         maps = torch.cat((self.key(hidden_states), self.key_before(hidden_states)), -1).double()
-        values = torch.where(is_num, values.double(), 0.0)
-        follows = torch.ones_like(values) if starts is None else (~starts).double()
-        entries = torch.stack((transform_values(values, value_transform), values, is_num.double(), follows), dim=-1)
-        return maps, entries
+        return maps, entry_values(is_num, values, value_transform, starts)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         upgrade_state_dict("context_values", state_dict, prefix, self)  # checkpoints of earlier versions
@@ -258,6 +255,16 @@ class CausalQwenContextValues(nn.Module):
             read.in_graph = 0.0 * (q.sum() + choice.nan_to_num(neginf=0.0).sum() + raw_width.sum()
                                    + self.width_by_choice.sum())
         return read
+
+
+def entry_values(
+    is_num: torch.Tensor, values: torch.Tensor, value_transform: str, starts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The entries `[..., 4]` of positions `[...]`, float64: y = T(v), v, whether it is a `<NUM>`, and 1 unless
+    `starts` marks it as a text's first."""
+    values = torch.where(is_num, values.double(), 0.0)
+    follows = torch.ones_like(values) if starts is None else (~starts).double()
+    return torch.stack((transform_values(values, value_transform), values, is_num.double(), follows), dim=-1)
 
 
 def keys_of(maps: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
