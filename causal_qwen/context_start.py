@@ -230,7 +230,7 @@ def _fit_from(small, loss, split, transform: str, noise: float) -> tuple[float, 
     with torch.no_grad():
         located_nll = float(loss(small, True))
     widened = _descend(small, widths, lambda held_out: loss(small, held_out), located_nll)
-    state = widened[1] if widened[1] is not None else _state(small)
+    state = widened[1] if widened[1] is not None else best[1]  # the located state, whose NLL this is
     return min(widened[0], located_nll), state, best[2]
 
 
