@@ -358,6 +358,38 @@ def test_the_start_calibrates_the_path_intervals(tiny_qwen):
     assert abs(coverage[0.5] - 0.5) <= 0.1 and abs(coverage[0.9] - 0.9) <= 0.1, coverage
 
 
+def test_the_starts_fit_reads_only_the_context_slots_some_row_fills():
+    """The start's rows keep 16 slots of earlier numbers, filled from the first; the fit drops the slots no row fills.
+    They weigh exactly 0: the value and the gradient of every parameter of a random path are the same over the rows
+    padded with four empty slots as over the filled two."""
+    from causal_qwen.context_start import _Rows, _value
+    from causal_qwen.context_values import entry_values
+
+    g = torch.Generator().manual_seed(5)
+    n, dims, slots = 40, 8, 6
+    path = CausalQwenContextValues(dims, 2).double().eval()
+    with torch.no_grad():
+        for param in path.parameters():
+            param.copy_(torch.randn(param.shape, generator=g, dtype=torch.float64) * 0.5)
+    counts = torch.randint(0, 3, (n,), generator=g)
+    present = torch.arange(slots)[None] < counts[:, None]
+    keys = torch.randn(n, slots, 2 * dims, generator=g, dtype=torch.float64) * present[..., None]
+    values = torch.randn(n, slots, generator=g, dtype=torch.float64).mul(100) * present
+    queries, loc_linear, spread, target = (torch.randn(n, *shape, generator=g, dtype=torch.float64)
+                                           for shape in ((dims,), (), (), ()))
+
+    def value_and_gradients(kept: int):
+        rows = _Rows(queries, keys[:, :kept], entry_values(present[:, :kept], values[:, :kept], "symlog"),
+                     present[:, :kept], loc_linear, spread.abs(), target)
+        path.zero_grad()
+        loc, scale = _value(path, "symlog", rows, 0.3)
+        ((loc - target).abs() + scale.log()).sum().backward()
+        return loc.detach(), scale.detach(), [param.grad.clone() for param in path.parameters()]
+
+    for padded, filled in zip(value_and_gradients(slots), value_and_gradients(2), strict=True):
+        torch.testing.assert_close(padded, filled, rtol=1e-12, atol=1e-12)
+
+
 def test_the_widths_are_calibrated_on_the_readouts_leave_one_out_residuals(model):
     """The held-out rows that calibrate the widths were fitted by the read-out too: its residuals there are in-sample,
     and on 128 one-number completions of real tables they narrowed the 50% intervals to cover 0.19 of the test
