@@ -26,6 +26,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -151,11 +152,14 @@ def main() -> None:
     parser.add_argument("--fit-seed", type=int, default=0, help="the seed of the path fit's first start")
     parser.add_argument("--no-key-before", action="store_true",
                         help="hold K' (the keys' read of the position before each number) at 0 in the path's fit")
+    parser.add_argument("--num-train", type=int, help="override the profile's corpus training texts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="runs/context_path")
     args = parser.parse_args()
     ablate_path_fit(args.fit_starts, args.fit_seed, args.no_key_before)
     profile = experiment.PROFILES[args.profile]
+    if args.num_train is not None:
+        profile = replace(profile, n_train=args.num_train)
     data = experiment.load_data(profile, args.seed)
     tokenizer = CausalQwenTokenizer.from_pretrained(experiment.QWEN_DIR)
     results = {"profile": args.profile, "steps": args.steps, "arms": {}, "median_baseline": median_baseline(data)}
