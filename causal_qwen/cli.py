@@ -348,7 +348,7 @@ def run_train(args) -> int:
                                 eval_dataset=eval_features, data_collator=collator,
                                 value_head_start=args.value_head_start,
                                 train_value_features=args.train_value_features)
-    if trainer.value_head_start is not None and model.config.value_head_fit is None:
+    if trainer.value_head_start is not None and model.config.use_numeric and model.config.value_head_fit is None:
         # The start reads the training data through the model before the first step: minutes on a CPU, in silence.
         print("fitting the value head to the training data's numbers before the first step "
               "(docs/training.md#the-value-heads-start-from-data) ...")

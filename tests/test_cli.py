@@ -115,6 +115,8 @@ def test_train_and_eval_on_prompt_completion_data(tmp_path, qwen25_dir, capsys, 
     data.write_text("\n".join(json.dumps(p) for p in pairs))
     assert main(["train", str(converted), str(trained), "--data", str(data), "--prompt-column", "q",
                  "--completion-column", "a", "--max-steps", "2", "--batch-size", "4"]) == 0
+    # The start reads the data through the model before the first step (minutes on a CPU): the command says so.
+    assert "fitting the value head to the training data's numbers" in capsys.readouterr().out
     after = CausalQwenForCausalLM.from_pretrained(trained)
     # The value head was started from the completions' numbers: one row per pair (the prompt's are not labelled).
     assert after.config.value_head_fit["positions"] == len(pairs)
