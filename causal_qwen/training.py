@@ -266,7 +266,7 @@ class ValueHeadStartCallback(TrainerCallback):
         self._fit(model, resuming)
 
     def _train_rows(self):
-        loader = self.trainer.get_eval_dataloader(self.trainer.train_dataset)
+        loader = self.trainer.get_eval_dataloader(_start_order(self.trainer.train_dataset, self.trainer.args))
         # With persistent workers Trainer keeps the loader under "eval"; evaluation must not find this one there.
         getattr(self.trainer, "_eval_dataloaders", {}).pop("eval", None)
         return loader
@@ -363,6 +363,25 @@ class ValueHeadStartCallback(TrainerCallback):
         self.refit_readout = False
         if self.trainer.is_world_process_zero():
             logger.warning(message)
+
+
+def _start_order(dataset, args):
+    """The training data in the order the start and the refits read it, up to their `max_positions` rows.
+
+    They stop reading once the cap is in, so in the dataset's own order they would fit the head to its first examples
+    alone, which for data concatenated from several sources is one source. Unless training reads in order too
+    (`train_sampling_strategy="sequential"`), they read a random permutation drawn from a generator of their own,
+    seeded by `data_seed` (else `seed`): every refit reads the start's rows, and the random state that shuffles
+    training is left alone. A dataset without a length (a stream) is read in its own order.
+    """
+    if (args.train_sampling_strategy == "sequential" or not isinstance(dataset, Sized)
+            or isinstance(dataset, torch.utils.data.IterableDataset)):
+        return dataset
+    seed = args.data_seed if args.data_seed is not None else args.seed
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
+    if hasattr(dataset, "select") and hasattr(dataset, "column_names"):  # datasets.Dataset: Trainer drops its columns
+        return dataset.select(order, keep_in_memory=True)
+    return torch.utils.data.Subset(dataset, order)
 
 
 def _held_out_score(fit) -> tuple[float, int]:

@@ -91,7 +91,8 @@ def run_arm(on: bool, profile, tokenizer, data: dict, args) -> dict:
     collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
     features = tokenize_examples(tokenizer, [ex.text for ex in data["train"]])
     # The start a user gets (as `CausalQwenTrainer` makes it), the <NUM> decision's included: num_f1 is measured.
-    fit = fit_value_head(model, experiment.collated(collator, features, profile.eval_batch))
+    fit = fit_value_head(model, experiment.collated(collator, features, profile.eval_batch),
+                         max_positions=args.max_positions)
     arm = {"fit": fit.to_dict(), "start": measure(model, tokenizer, data, profile.eval_batch),
            "start_seconds": time.perf_counter() - t0}
     print(f"context_values={on}: start measured, {arm['start_seconds']:.0f}s", flush=True)
@@ -153,6 +154,8 @@ def main() -> None:
     parser.add_argument("--no-key-before", action="store_true",
                         help="hold K' (the keys' read of the position before each number) at 0 in the path's fit")
     parser.add_argument("--num-train", type=int, help="override the profile's corpus training texts")
+    parser.add_argument("--max-positions", type=int, default=4096,
+                        help="value rows the start reads at most (fit_value_head's max_positions; the library's: 4096)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="runs/context_path")
     args = parser.parse_args()

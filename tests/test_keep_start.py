@@ -3,6 +3,7 @@
 
 import math
 
+import datasets
 import pytest
 import torch
 from ddp_worker import NUM, dataset
@@ -36,10 +37,10 @@ def related(n: int, seed: int) -> list[dict]:
 
 
 def args(tmp_path, steps: int, **kw) -> TrainingArguments:
-    kw.setdefault("save_strategy", "no")
+    kw = {"save_strategy": "no", "seed": 0, "train_sampling_strategy": "sequential", **kw}
     return TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, per_device_eval_batch_size=8,
                              max_steps=steps, learning_rate=1e-2, report_to=[], logging_steps=1, use_cpu=True,
-                             disable_tqdm=True, seed=0, train_sampling_strategy="sequential", **kw)
+                             disable_tqdm=True, **kw)
 
 
 @torch.no_grad()
@@ -407,3 +408,91 @@ def test_the_num_decision_starts_from_the_prompts_next_tokens(tiny_qwen):
         scores = model(batch["input_ids"], numeric_values=batch["numeric_values"])
     p = model.ovr_probabilities(scores.loc_S.double(), scores.scale_S.double())
     assert (p[:, 2].argmax(-1) == NUM).double().mean().item() > 0.5
+
+
+def scaled(n: int, seed: int) -> list[dict]:
+    """Texts of another source than `related`: other words, values in the thousands, the second a hundredth of the
+    first."""
+    g = torch.Generator().manual_seed(seed)
+    examples = []
+    for _ in range(n):
+        ids = torch.randint(100, 120, (10,), generator=g)
+        ids[3] = ids[7] = NUM
+        first = 1000.0 + float(torch.rand((), generator=g, dtype=torch.float64)) * 1000
+        values = [0.0] * 10
+        values[3], values[7] = first, first / 100
+        examples.append({"input_ids": ids.tolist(), "numeric_values": values})
+    return examples
+
+
+def start_reading(tiny_qwen, tmp_path, monkeypatch, train: list[dict], sampling: str) -> tuple[list, list, object]:
+    """Train 2 steps with the start's cap at 40 value rows (20 texts here): the texts the start and the first refit
+    read (their first three ids, in order) and the trained model."""
+    import causal_qwen.training as training
+
+    read = []
+
+    def spy(fit):
+        def wrapped(model, batches, **kw):
+            ids = []
+
+            def recorded():
+                for batch in batches:
+                    ids.extend(tuple(row[:3].tolist()) for row in batch["input_ids"])
+                    yield batch
+            result = fit(model, recorded(), **kw)
+            read.append(ids)
+            return result
+        return wrapped
+
+    monkeypatch.setattr(training, "fit_value_head", spy(training.fit_value_head))
+    monkeypatch.setattr(training, "refit_value_readout", spy(training.refit_value_readout))
+    model = fresh(tiny_qwen)
+    trainer = CausalQwenTrainer(model=model, args=args(tmp_path / sampling, 2, train_sampling_strategy=sampling,
+                                                       seed=3),
+                                train_dataset=train, data_collator=CausalQwenDataCollator(0),
+                                train_value_features=True)
+    trainer.value_head_start.max_positions = 40
+    state = torch.get_rng_state()
+    trainer.value_head_start._train_rows()
+    assert torch.equal(torch.get_rng_state(), state)  # training's shuffle is left alone
+    trainer.train()
+    monkeypatch.undo()
+    return read[0], read[1], model
+
+
+def test_the_start_reads_a_sample_of_data_sorted_by_source(tiny_qwen, tmp_path, monkeypatch):
+    """Data concatenated from two sources, more value rows than the start's cap: where training shuffles, the start
+    and every refit read the same seeded sample of both; where training reads in order, they do too. The start of the
+    first source alone is the start of that source: its intervals miss the second's values."""
+    first, second = related(64, seed=1), scaled(64, seed=2)
+    train = first + second
+    in_order = [tuple(ex["input_ids"][:3]) for ex in train]
+    sources = {ids: i >= len(first) for i, ids in enumerate(in_order)}
+    held_out = scaled(32, seed=5) + related(32, seed=6)
+    coverage = {}
+    for sampling in ("sequential", "random"):
+        start, refit, model = start_reading(tiny_qwen, tmp_path, monkeypatch, train, sampling)
+        # The start reads every text for the <NUM> decision's positions and keeps the value rows of the first 20;
+        # the refit stops at the batch that brings the cap in.
+        valued = start[:20]
+        assert 20 <= len(refit) < len(train) / 2 and refit == start[:len(refit)]
+        assert sorted(start) == sorted(in_order)
+        share = sum(sources[ids] for ids in valued) / len(valued)
+        if sampling == "sequential":
+            assert start == in_order and share == 0
+        else:
+            assert 0.3 < share < 0.7
+        x, y = value_rows(model, held_out)
+        with torch.no_grad():
+            loc, scale = model.action.regress(x.float(), torch.zeros_like(x).float())
+        inside = ((loc.double() - y).abs() < scale.double()).double()  # in the 50% interval, loc ± scale
+        coverage[sampling] = (float(inside.mean()), float(inside[:64].mean()))  # both sources, the second
+        if sampling == "random":
+            sampled = start
+    assert coverage["sequential"][1] < 0.1 and coverage["sequential"][0] < 0.3, coverage
+    assert abs(coverage["random"][0] - 0.5) < 0.1 and coverage["random"][1] > 0.15, coverage
+    # A datasets.Dataset (with a column the model does not take, which Trainer drops) is read in the same order.
+    table = datasets.Dataset.from_list([{**ex, "source": "second" if sources[ids] else "first"}
+                                        for ex, ids in zip(train, in_order, strict=True)])
+    assert start_reading(tiny_qwen, tmp_path / "table", monkeypatch, table, "random")[0] == sampled
