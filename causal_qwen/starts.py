@@ -489,7 +489,9 @@ def fit_value_head(
         model: a [`CausalQwenForCausalLM`] with `use_numeric=True`.
         batches: batches as the collator gives them, with `labels` (the rows are the positions whose next label is
             `<NUM>`, so prompt positions labelled −100 are left out) and the numbers in `numeric_labels` or
-            `numeric_values`. The training batches, before the first step, are the intended input.
+            `numeric_values`. The training batches, before the first step, are the intended input; reading stops
+            at `max_positions` rows, so batches of data sorted by source should come in a random order
+            (`CausalQwenTrainer` reads its training set so).
         penalties: ridge penalties to choose from (on standardised features).
         max_positions: read batches until this many rows are in.
         num_row: also start the `<NUM>` row and bias from the data (False leaves the classification head alone).

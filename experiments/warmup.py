@@ -3,8 +3,9 @@
 One converted Qwen2.5-0.5B (`from_qwen(folder)`, every default), started by `fit_value_head` on the training texts of
 `run_experiment.py`'s profile (as `causal-qwen train` does before its first step), then trained `--steps` steps from
 that same state for each arm by `CausalQwenTrainer` with the command's settings (batch 8, learning rate 1e-4, linear
-decay, AdamW), the arms differing only in `warmup_steps` (0: the command as it was). Recorded: the class loss and the
-gradient norm at every step, and after training, on the test texts, next-token accuracy, num_f1 and OvR perplexity
+decay, AdamW), the arms differing only in `warmup_steps` (0: the command's). Recorded: the class loss and the
+gradient norm at every step, the class loss of the first `--validation` validation texts every `--every` steps, and
+after training, on the test texts, next-token accuracy, num_f1 and OvR perplexity
 (docs/design.md §6), against the model right after its start (no step).
 
     python experiments/warmup.py --output runs/warmup
@@ -85,7 +86,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--profile", default="cpu", choices=sorted(experiment.PROFILES))
     parser.add_argument("--steps", type=int, default=20, help="training steps of each arm")
-    parser.add_argument("--warmups", default="0,0.1,0.25", help="warmup_steps of each arm (a float below 1: a ratio)")
+    parser.add_argument("--warmups", default="0,0.1", help="warmup_steps of each arm (a float below 1: a ratio)")
+    parser.add_argument("--every", type=int, default=2, help="steps between measures of the validation class loss")
+    parser.add_argument("--validation", type=int, default=32, help="validation texts of that measure")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="runs/warmup")
     args = parser.parse_args()
@@ -101,15 +104,15 @@ def main() -> None:
     fit = fit_value_head(model, experiment.collated(collator, features, profile.eval_batch))
     start_state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     start = experiment.causal_positions(model, tokenizer, data["test"], profile.eval_batch, args.seed)
-    validation = list(experiment.collated(
-        collator, tokenize_examples(tokenizer, [ex.text for ex in data["validation"]]), profile.eval_batch))
+    texts = [ex.text for ex in data["validation"][:args.validation]]
+    validation = list(experiment.collated(collator, tokenize_examples(tokenizer, texts), profile.eval_batch))
     results = {"fit": fit.to_dict(), "start": start, "arms": {}, "start_seconds": time.perf_counter() - t0}
     print(f"start: {results['start_seconds']:.0f}s {start}", flush=True)
     for warmup in (float(w) for w in args.warmups.split(",")):
         warmup = int(warmup) if warmup >= 1 or warmup == 0 else warmup
         model.load_state_dict(start_state)
         t1 = time.perf_counter()
-        curve = experiment.CurveCallback(1, lambda m: held_out_class_loss(m, validation))
+        curve = experiment.CurveCallback(args.every, lambda m: held_out_class_loss(m, validation))
         log = train_arm(model, tokenizer, features, out / f"warmup={warmup}", warmup, args.steps, args.seed, curve)
         trained = experiment.causal_positions(model, tokenizer, data["test"], profile.eval_batch, args.seed)
         results["arms"][f"warmup_steps={warmup}"] = {"log": log, "curve": curve.points, "trained": trained,
