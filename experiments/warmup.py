@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_experiment as experiment  # noqa: E402
 
 from causal_qwen import CausalQwenTokenizer  # noqa: E402
-from causal_qwen.data import CausalQwenDataCollator, tokenize_examples  # noqa: E402
+from causal_qwen.data import CausalQwenDataCollator, generate_corpus, tokenize_examples  # noqa: E402
 from causal_qwen.starts import fit_value_head  # noqa: E402
 from causal_qwen.training import CausalQwenTrainer  # noqa: E402
 
@@ -87,6 +87,9 @@ def main() -> None:
     parser.add_argument("--profile", default="cpu", choices=sorted(experiment.PROFILES))
     parser.add_argument("--steps", type=int, default=20, help="training steps of each arm")
     parser.add_argument("--warmups", default="0,0.1", help="warmup_steps of each arm (a float below 1: a ratio)")
+    parser.add_argument("--data", default="profile", choices=("profile", "cli"),
+                        help="profile: run_experiment.py's training texts; cli: causal-qwen train's default data "
+                             "(2,000 corpus texts, at most 128 tokens)")
     parser.add_argument("--every", type=int, default=2, help="steps between measures of the validation class loss")
     parser.add_argument("--validation", type=int, default=32, help="validation texts of that measure")
     parser.add_argument("--seed", type=int, default=0)
@@ -100,7 +103,10 @@ def main() -> None:
     t0 = time.perf_counter()
     model = experiment.new_causal(profile, tokenizer, args.seed).eval()
     collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
-    features = tokenize_examples(tokenizer, [ex.text for ex in data["train"]])
+    if args.data == "cli":
+        data["train"] = generate_corpus(2000, split="train", seed=args.seed)
+        data["validation"] = generate_corpus(200, split="validation", seed=args.seed)
+    features = tokenize_examples(tokenizer, [ex.text for ex in data["train"]], 128 if args.data == "cli" else None)
     fit = fit_value_head(model, experiment.collated(collator, features, profile.eval_batch))
     start_state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     start = experiment.causal_positions(model, tokenizer, data["test"], profile.eval_batch, args.seed)
