@@ -25,7 +25,8 @@ from collections.abc import Sized
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
-from transformers.utils import logging
+from transformers.trainer_utils import has_length
+from transformers.utils import is_datasets_available, logging
 
 from .checks import check_positive_finite
 from .context_start import held_out_rows
@@ -374,13 +375,17 @@ def _start_order(dataset, args):
     seeded by `data_seed` (else `seed`): every refit reads the start's rows, and the random state that shuffles
     training is left alone. A dataset without a length (a stream) is read in its own order.
     """
-    if (args.train_sampling_strategy == "sequential" or not isinstance(dataset, Sized)
+    # The tests Trainer makes itself: it samples only what has a length, and drops columns only of a datasets.Dataset.
+    if (args.train_sampling_strategy == "sequential" or not has_length(dataset)
             or isinstance(dataset, torch.utils.data.IterableDataset)):
         return dataset
     seed = args.data_seed if args.data_seed is not None else args.seed
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
-    if hasattr(dataset, "select") and hasattr(dataset, "column_names"):  # datasets.Dataset: Trainer drops its columns
-        return dataset.select(order, keep_in_memory=True)
+    if is_datasets_available():
+        import datasets
+
+        if isinstance(dataset, datasets.Dataset):
+            return dataset.select(order, keep_in_memory=True)
     return torch.utils.data.Subset(dataset, order)
 
 

@@ -28,6 +28,7 @@ import run_experiment as experiment  # noqa: E402
 
 from causal_qwen import CausalQwenTokenizer  # noqa: E402
 from causal_qwen.data import CausalQwenDataCollator, generate_corpus, tokenize_examples  # noqa: E402
+from causal_qwen.labels import IGNORE_INDEX  # noqa: E402
 from causal_qwen.starts import fit_value_head  # noqa: E402
 from causal_qwen.training import CausalQwenTrainer  # noqa: E402
 
@@ -40,7 +41,7 @@ def held_out_class_loss(model, batches: list[dict]) -> dict:
     total = count = 0.0
     for batch in batches:
         out = model(**batch)
-        n = float((batch["labels"][:, 1:] != -100).sum())
+        n = float((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
         total, count = total + float(out.cls_loss) * n, count + n
     model.train(was_training)
     return {"held_out_cls_loss": total / count}
