@@ -24,12 +24,15 @@ _INT_FIELDS = {"num_token_id": 0, "causal_size": 1, "conversion_seed": 0, "conte
 # Keywords that `PretrainedConfig` takes without a field of that name (it pops or converts them).
 _INIT_KEYWORDS = ("attn_implementation", "experts_implementation", "output_attentions", "num_labels", "torch_dtype",
                   "rope_theta", "rope_scaling", "name_or_path")
-_CHECKED_FIELDS = frozenset((*_FLOAT_FIELDS, *_BOOL_FIELDS, *_INT_FIELDS, "value_transform", "value_head_fit"))
+# The logs the path's log-space combination can sum (context_values.LOG_VALUES; that module imports this one).
+CONTEXT_VALUES_LOGS = ("symlog", "log")
+_CHECKED_FIELDS = frozenset((*_FLOAT_FIELDS, *_BOOL_FIELDS, *_INT_FIELDS, "value_transform", "value_head_fit",
+                             "context_values_log"))
 # Fields that fill a model's tensors or decide its modules when it is built (the rest are read at every use). Once a
 # model is built on a config, assigning one of them goes through that model, which applies or refuses it.
 MODEL_FIELDS = frozenset(("ovr_threshold", "noise_init", "abduction_scale_init", "regression_noise", "use_numeric",
                           "causal_size", "learnable_threshold", "abduction_anchor_weight", "context_values",
-                          "context_values_rank"))
+                          "context_values_rank", "context_values_log"))
 # The models built on each live config, by its id (a config is not hashable); an entry goes with its config.
 _MODELS_OF_CONFIG: dict[int, weakref.WeakSet] = {}
 
@@ -108,6 +111,11 @@ class CausalQwenConfig(Qwen2Config):
             is the one without the path exactly, and checkpoints saved without it load with it off.
         context_values_rank (`int`, defaults to 16):
             The rank r of the path's scores and weights.
+        context_values_log (`str`, defaults to `"symlog"`):
+            The logarithm of the earlier values that the path's log-space combination sums (docs/math.md):
+            `"symlog"`, sign(v)·ln(1 + |v|), or `"log"`, ln|v|, with which products, ratios and powers of positive
+            values are exact in form. The start from data fits `"symlog"` better today (docs/experiments.md,
+            "The log of the values"), hence the default; checkpoints saved before this field load with it.
 
     Example:
 
@@ -145,6 +153,7 @@ class CausalQwenConfig(Qwen2Config):
     conversion_seed: int | None = None
     context_values: bool = False
     context_values_rank: int = 16
+    context_values_log: str = "symlog"
 
     def __post_init__(self, **kwargs):
         if self.causal_size is None:
@@ -196,6 +205,9 @@ class CausalQwenConfig(Qwen2Config):
         elif name == "value_transform":
             if value not in VALUE_TRANSFORMS:
                 raise ValueError(f"value_transform must be one of {VALUE_TRANSFORMS}, got {value!r}")
+        elif name == "context_values_log":
+            if value not in CONTEXT_VALUES_LOGS:
+                raise ValueError(f"context_values_log must be one of {CONTEXT_VALUES_LOGS}, got {value!r}")
         elif name == "value_head_fit" and value is not None and not isinstance(value, dict):
             raise TypeError(f"value_head_fit must be a dict or None, got {type(value).__name__}")
 

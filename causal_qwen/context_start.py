@@ -173,7 +173,7 @@ def fit_context_values(model, rows: ContextRows, x: torch.Tensor, scale_u: torch
         return nll(rows.target, loc, scale.clamp(min=floor)).mean()
 
     def start(draw: int) -> CausalQwenContextValues:
-        small = CausalQwenContextValues(cq.shape[1], path.rank).double()
+        small = CausalQwenContextValues(cq.shape[1], path.rank, path.log_values).double()
         small.reset_parameters(torch.Generator().manual_seed(seed + draw), keep_loaded=False)
         return small.eval()  # eval: the fit has no use for the training forward's zero terms (`ContextRead.in_graph`)
 

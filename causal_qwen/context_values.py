@@ -4,19 +4,27 @@ At position t the value Y_t has, besides the seeds' linear read-out of U, candid
 the `<NUM>` tokens j ≤ t of the same sequence (y = T(v), T the `value_transform`):
 
 - a copy of each y_j, weighted by a pointer (rank-r scores of z_t and of the key k_j below);
-- a log-space combination ℓ_t = Σ_j b_tj·symlog(v_j) (products, ratios, rates), as the value symexp(ℓ_t);
+- a log-space combination ℓ_t = Σ_j b_tj·L(v_j) (products, ratios, rates, powers), as the value L⁻¹(ℓ_t), where L is
+  symlog and L⁻¹ symexp by default, or ln|v| (0 for v = 0) and exp (`context_values_log="log"`);
 - a raw-space combination r_t = Σ_j c_tj·v_j (sums, differences, averages, unit factors), as the value r_t;
 
 with b_tj, c_tj rank-r bilinear weights of z_t and k_j. One softmax over the linear read-out, the copies and the two
 combinations gives their weights π (the linear read-out is the pointer's sink: with no earlier number π_0 = 1). The
 value stays Cauchy given the context, the action network's linear law weighted by π_0:
 
-    loc_Y = π_0·(w_reg·loc_U + b_reg) + m_t,  m_t = Σ_j π_j·y_j + π_ℓ·T(symexp(ℓ_t)) + π_r·T(r_t)
+    loc_Y = π_0·(w_reg·loc_U + b_reg) + m_t,  m_t = Σ_j π_j·y_j + π_ℓ·T(L⁻¹(ℓ_t)) + π_r·T(r_t)
     scale_Y = π_0·|w_reg|·scale_U' + γ_Y·ρ_t,  ρ_t = exp(a·z_t + β·π̄_t) > 0
 
 where π̄_t = (π_0, Σ_j π_j, π_ℓ, π_r): the width of the value's own noise depends on the input and on what the path
 chose, so a copy can get a narrow interval and a guess a wide one. With no earlier number and a, β at 0 this is the
 model without the path exactly.
+
+Which log: a product is a sum of logarithms, ln(p·q) = ln p + ln q, but symlog(p·q) is not a sum of symlogs where a
+factor is small (ln 3 for q = 2 against ln 2), so with symlog no weights write a price times a quantity of 2 to 9, or
+a price per carat of 0.2 to 3 carats, closer than 10-20%; with ln|v| weights (1, 1) and (1, −1) write them exactly. Yet
+the start from data fits the symlog form better (docs/experiments.md, "The log of the values"), which is why it is
+the default. The log of a value carries no sign, so the ln|v| candidate is positive; a zero has no logarithm and
+that combination leaves it out.
 
 The keys of number j are rank-r maps of its own features and of the features of the position before it,
 k_j = K·z_j + b_K + K'·z_{j−1}: causally, z_{j−1} has read the words that introduce the number but not its value, so
@@ -39,6 +47,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
 from .cauchy import symexp, symlog, transform_values
+from .configuration import CONTEXT_VALUES_LOGS
 from .migrations import upgrade_state_dict
 
 # The scores of the candidates that are not copies, in this order, and the score each starts from: the linear
@@ -49,6 +58,8 @@ _START_SCORES = (0.0, -4.0, -4.0)
 LINEAR_ONLY_SCORE = 40.0
 # A log-space combination beyond this is past float64's range once exponentiated.
 _MAX_LOG = 700.0
+# The logs the log-space combination can sum (`config.context_values_log`): symlog(v), and ln|v|.
+LOG_VALUES = CONTEXT_VALUES_LOGS
 # ρ stays within e^±40.
 MAX_LOG_WIDTH = 40.0
 
@@ -89,9 +100,13 @@ class ContextRead:
 class CausalQwenContextValues(nn.Module):
     """The pointer and the two combinations over the earlier `<NUM>` values, and the width ρ (module docstring)."""
 
-    def __init__(self, hidden_size: int, rank: int):
+    def __init__(self, hidden_size: int, rank: int, log_values: str = "symlog"):
         super().__init__()
+        if log_values not in LOG_VALUES:
+            raise ValueError(f"log_values must be one of {LOG_VALUES}, got {log_values!r}")
         self.rank = rank
+        # How the log-space combination takes the log of the values: "symlog" or "log" (ln|v|; module docstring).
+        self.log_values = log_values
         # Queries and keys of the copy scores, the log-space and the raw-space weights: three rank-r maps each.
         self.query = nn.Linear(hidden_size, 3 * rank)
         self.key = nn.Linear(hidden_size, 3 * rank)
@@ -237,11 +252,11 @@ class CausalQwenContextValues(nn.Module):
         weights = torch.cat((choice, copy_scores), -1).softmax(-1)
         linear, log_weight, raw_weight, copies = weights[..., 0], weights[..., 1], weights[..., 2], weights[..., 3:]
         mask = visible.double()
-        log_combination = ((log_q @ log_k.transpose(1, 2)) * mask) @ symlog(v)[..., None]
+        log_combination = ((log_q @ log_k.transpose(1, 2)) * mask) @ log_of_values(v, self.log_values)[..., None]
         raw_combination = ((raw_q @ raw_k.transpose(1, 2)) * mask) @ v[..., None]
         offset = (copies * mask) @ y[..., None]
         offset = offset.squeeze(-1)
-        offset = offset + log_weight * _log_candidate(log_combination.squeeze(-1), value_transform)
+        offset = offset + log_weight * _log_candidate(log_combination.squeeze(-1), value_transform, self.log_values)
         offset = offset + raw_weight * transform_values(raw_combination.squeeze(-1), value_transform)
         summary = torch.stack((linear, copies.sum(-1), log_weight, raw_weight), -1)
         raw_width = self.width(queries).double().squeeze(-1)
@@ -275,11 +290,23 @@ def keys_of(maps: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
     return own + entries[..., 3:] * nn.functional.pad(before[:, :-1], (0, 0, 1, 0))
 
 
-def _log_candidate(log_combination: torch.Tensor, transform: str) -> torch.Tensor:
-    """T(symexp(ℓ)), the value of a log-space combination in the head's space."""
+def log_of_values(values: torch.Tensor, log_values: str) -> torch.Tensor:
+    """L(v), what the log-space combination sums: ln|v| (0 for v = 0, which has no logarithm) or symlog(v)."""
+    if log_values == "symlog":
+        return symlog(values)
+    magnitude = values.abs()
+    return torch.where(magnitude > 0, magnitude.clamp(min=torch.finfo(values.dtype).tiny).log(), 0.0)
+
+
+def _log_candidate(log_combination: torch.Tensor, transform: str, log_values: str) -> torch.Tensor:
+    """T(L⁻¹(ℓ)), the value of a log-space combination in the head's space."""
+    if log_values == "symlog":
+        if transform == "symlog":
+            return log_combination
+        return symexp(log_combination.clamp(-_MAX_LOG, _MAX_LOG))
     if transform == "symlog":
-        return log_combination
-    return symexp(log_combination.clamp(-_MAX_LOG, _MAX_LOG))
+        return torch.logaddexp(log_combination, torch.zeros_like(log_combination))  # ln(1 + e^ℓ) = symlog(e^ℓ)
+    return log_combination.clamp(-_MAX_LOG, _MAX_LOG).exp()
 
 
 def _numbers_only(keys: torch.Tensor, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

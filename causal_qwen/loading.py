@@ -36,6 +36,7 @@ _MODULE_FIELDS = {
     "learnable_threshold": "whether action.threshold is a trainable parameter",
     "context_values": "whether the abduction network reads the context's values (abduction.context_values)",
     "context_values_rank": "the size of abduction.context_values",
+    "context_values_log": "the logarithm abduction.context_values sums (its weights were fitted to it)",
 }
 # Fields that only fill tensors when a model is built, and those tensors: an edit of the field (or a value given to
 # `from_pretrained`) fills them again, so that the model is the one its config describes.

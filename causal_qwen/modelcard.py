@@ -7,7 +7,7 @@ from pathlib import Path
 CAUSAL_FIELDS = (
     "num_token_id", "use_numeric", "freeze_backbone", "abduction_scale_init", "noise_init", "ovr_threshold",
     "learnable_threshold", "gate_alpha", "reg_loss_weight", "detach_gate", "scale_min", "value_transform",
-    "regression_noise", "conversion_seed",
+    "regression_noise", "conversion_seed", "context_values", "context_values_rank", "context_values_log",
 )
 
 

@@ -130,7 +130,8 @@ class CausalQwenAbduction(nn.Module):
         super().__init__()
         self.loc_net = nn.Linear(config.hidden_size, config.causal_size)
         self.scale_net = nn.Linear(config.hidden_size, config.causal_size)
-        self.context_values = (CausalQwenContextValues(config.hidden_size, config.context_values_rank)
+        self.context_values = (CausalQwenContextValues(config.hidden_size, config.context_values_rank,
+                                                       config.context_values_log)
                                if config.context_values else None)
         self.config = config
 

@@ -11,12 +11,14 @@ perplexity over every position; and each template's training median as the basel
 per-module learning rates of the training, and `--train-value-features` trains the features the value reads (arms
 of the mechanism that keeps the start). `--fit-starts` and `--fit-seed` fit the path from other random starts than the
 library's, and `--no-key-before` holds the keys' read of the position before each number at 0 (the path's earlier
-form): the arms of "Keys that read the words before the number" in docs/experiments.md.
+form): the arms of "Keys that read the words before the number" in docs/experiments.md. The arm `log` is the path
+on with the log-space combination summing ln|v| (`context_values_log="log"`): "The log of the values" there.
 
     python experiments/context_path.py --output runs/context_path                 # the start only
     python experiments/context_path.py --steps 12 --output runs/context_path      # and after 12 steps
     python experiments/context_path.py --profile tiny --output /tmp/context_path  # the pipeline only
     python experiments/context_path.py --arms on --fit-starts 1 --fit-seed 2 --no-key-before   # one start, old key
+    python experiments/context_path.py --arms on,log                              # the log of the values
 """
 
 from __future__ import annotations
@@ -56,9 +58,38 @@ def measure(model, tokenizer, data: dict, batch: int) -> dict:
         results[split] = {"per_template": experiment.per_template(targets["median"], targets["examples"]),
                           "pooled": pooled_error(targets["median"], targets["true"]),
                           **experiment.interval_metrics(targets)}
+    results["test"]["choice"] = choices(model, tokenizer, data["test"], batch)
+    results["real_test"]["choice"] = choices(model, tokenizer, data["real_test"], batch)
     # num_f1, next-token accuracy and OvR perplexity on the test texts (docs/design.md §6).
     results["test"]["positions"] = experiment.causal_positions(model, tokenizer, data["test"], batch, 0)
     return results
+
+
+@torch.no_grad()
+def choices(model, tokenizer, examples: list, batch: int) -> dict:
+    """The path's choice π̄ = (π_0, Σ_j π_j, π_ℓ, π_r) at the position before each target, averaged per template."""
+    path = model.abduction.context_values
+    if path is None:
+        return {}
+    read, seen = path.read, []
+    path.read = lambda *args, **kwargs: seen.append(read(*args, **kwargs)) or seen[-1]
+    try:
+        collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
+        per_template: dict[str, list] = {}
+        examples = experiment.with_target(examples)
+        for k in range(0, len(examples), batch):
+            chunk = examples[k:k + batch]
+            inputs = collator(tokenize_examples(tokenizer, [ex.text for ex in chunk]))
+            seen.clear()
+            model(inputs["input_ids"], numeric_values=inputs["numeric_values"], attention_mask=inputs["attention_mask"])
+            for b, ex in enumerate(chunk):
+                where = (inputs["input_ids"][b] == tokenizer.num_token_id).nonzero().flatten()
+                if len(where):
+                    per_template.setdefault(ex.template, []).append(seen[-1].choice[b, int(where[-1]) - 1].tolist())
+    finally:
+        del path.read
+    return {name: [round(statistics.fmean(column), 4) for column in zip(*rows, strict=True)]
+            for name, rows in per_template.items()}
 
 
 def median_baseline(data: dict) -> dict:
@@ -85,9 +116,14 @@ def ablate_path_fit(fit_starts: int | None, fit_seed: int, no_key_before: bool) 
         CausalQwenContextValues.keys = lambda self, own, before: keys(self, own, before * 0.0)
 
 
-def run_arm(on: bool, profile, tokenizer, data: dict, args) -> dict:
+# The config of each arm beyond `from_qwen`'s defaults.
+ARMS = {"off": {"context_values": False}, "on": {"context_values": True},
+        "log": {"context_values": True, "context_values_log": "log"}}
+
+
+def run_arm(name: str, profile, tokenizer, data: dict, args) -> dict:
     t0 = time.perf_counter()
-    model = experiment.new_causal(profile, tokenizer, args.seed, context_values=on).eval()
+    model = experiment.new_causal(profile, tokenizer, args.seed, **ARMS[name]).eval()
     collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
     features = tokenize_examples(tokenizer, [ex.text for ex in data["train"]])
     # The start a user gets (as `CausalQwenTrainer` makes it), the <NUM> decision's included: num_f1 is measured.
@@ -95,14 +131,14 @@ def run_arm(on: bool, profile, tokenizer, data: dict, args) -> dict:
                          max_positions=args.max_positions)
     arm = {"fit": fit.to_dict(), "start": measure(model, tokenizer, data, profile.eval_batch),
            "start_seconds": time.perf_counter() - t0}
-    print(f"context_values={on}: start measured, {arm['start_seconds']:.0f}s", flush=True)
+    print(f"{name}: start measured, {arm['start_seconds']:.0f}s", flush=True)
     if args.steps:
-        trainer = experiment.train_causal(model, tokenizer, data["train"], profile, Path(args.output) / f"on={on}",
+        trainer = experiment.train_causal(model, tokenizer, data["train"], profile, Path(args.output) / name,
                                           args.seed, steps=args.steps, scales=json.loads(args.scales),
                                           train_value_features=args.train_value_features)
         arm["refits"] = [(step, fit.to_dict()) for step, fit in trainer.value_head_start.refits]
         arm["trained"] = measure(model, tokenizer, data, profile.eval_batch)
-        print(f"context_values={on}: trained {args.steps} steps, {time.perf_counter() - t0:.0f}s", flush=True)
+        print(f"{name}: trained {args.steps} steps, {time.perf_counter() - t0:.0f}s", flush=True)
         if args.restart:
             # The start's own procedure again on the trained features: tells a loss of features from a loss of fit.
             features = tokenize_examples(tokenizer, [ex.text for ex in data["train"]])
@@ -115,7 +151,7 @@ def run_arm(on: bool, profile, tokenizer, data: dict, args) -> dict:
 def table(results: dict) -> str:
     lines = []
     for split in SPLITS:
-        rows = [(f"context_values={on}, {stage}", arm[stage][split]) for on, arm in results["arms"].items()
+        rows = [(f"{name}, {stage}", arm[stage][split]) for name, arm in results["arms"].items()
                 for stage in ("start", "trained", "restarted") if stage in arm]
         rows.append(("training median of each template", results["median_baseline"][split]))
         templates = list(rows[0][1]["per_template"])
@@ -129,12 +165,18 @@ def table(results: dict) -> str:
             lines.append(f"| {name} | {errors} | {cell['pooled']:.3g} | {coverage} |")
     lines += ["\ntest texts, every position: next-token accuracy, num_f1, OvR perplexity",
               "| arm | accuracy | num_f1 | ppl_ovr |", "|---|---|---|---|"]
-    for on, arm in results["arms"].items():
+    for name, arm in results["arms"].items():
         for stage in ("start", "trained", "restarted"):
             if stage in arm and "positions" in arm[stage]["test"]:
                 cell = arm[stage]["test"]["positions"]
-                lines.append(f"| context_values={on}, {stage} | {cell['eval/accuracy']:.4f} | "
+                lines.append(f"| {name}, {stage} | {cell['eval/accuracy']:.4f} | "
                              f"{cell['eval/num_f1']:.3f} | {cell['eval/ppl_ovr']:.4g} |")
+    lines += ["\nthe path's choice at the targets, mean per template: read-out, copies, log-space, raw-space",
+              "| arm | template | π_0 | Σ π_j | π_ℓ | π_r |", "|---|---|---|---|---|---|"]
+    for name, arm in results["arms"].items():
+        for split in ("test", "real_test"):
+            for template, mean in arm["start"][split].get("choice", {}).items():
+                lines.append(f"| {name} | {template} | " + " | ".join(f"{v:.3f}" for v in mean) + " |")
     return "\n".join(lines)
 
 
@@ -142,7 +184,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--profile", default="cpu", choices=sorted(experiment.PROFILES))
     parser.add_argument("--steps", type=int, default=0, help="training steps after the start (0: the start only)")
-    parser.add_argument("--arms", default="off,on", help="off, on or both")
+    parser.add_argument("--arms", default="off,on", help=f"comma-separated, of {', '.join(ARMS)}")
     parser.add_argument("--restart", action="store_true",
                         help="after training, also fit the value head from scratch (the start's procedure) and measure")
     parser.add_argument("--scales", default="{}",
@@ -167,7 +209,7 @@ def main() -> None:
     tokenizer = CausalQwenTokenizer.from_pretrained(experiment.QWEN_DIR)
     results = {"profile": args.profile, "steps": args.steps, "arms": {}, "median_baseline": median_baseline(data)}
     for name in args.arms.split(","):
-        results["arms"][name] = run_arm(name == "on", profile, tokenizer, data, args)
+        results["arms"][name] = run_arm(name, profile, tokenizer, data, args)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))

