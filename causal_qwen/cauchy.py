@@ -321,13 +321,17 @@ def kl_divergence(
 
 
 def symlog(value: torch.Tensor) -> torch.Tensor:
-    """sign(v)·ln(1 + |v|): compresses magnitudes while keeping 0 at 0 and the order of values."""
-    return torch.sign(value) * torch.log1p(value.abs())
+    """sign(v)·ln(1 + |v|): compresses magnitudes while keeping 0 at 0 and the order of values.
+
+    Written by the sign's two branches, not as sign(v)·ln(1 + |v|): autograd gives that product the derivative 0 at
+    v = 0 (sign and |·| have derivative 0 there), where the true one is 1, and a learned quantity that starts at 0,
+    as the context-value path's raw-space combination does, would then never move."""
+    return torch.where(value >= 0, torch.log1p(value.clamp(min=0)), -torch.log1p((-value).clamp(min=0)))
 
 
 def symexp(value: torch.Tensor) -> torch.Tensor:
-    """The inverse of `symlog`: sign(t)·(e^|t| − 1)."""
-    return torch.sign(value) * torch.expm1(value.abs())
+    """The inverse of `symlog`: sign(t)·(e^|t| − 1), by the sign's branches for the derivative 1 at 0 (`symlog`)."""
+    return torch.where(value >= 0, torch.expm1(value.clamp(min=0)), -torch.expm1((-value).clamp(min=0)))
 
 
 def transform_values(values: torch.Tensor, value_transform: str) -> torch.Tensor:

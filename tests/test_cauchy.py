@@ -112,6 +112,21 @@ def test_symlog_roundtrip():
     assert cauchy.symlog(torch.tensor(0.0)).item() == 0.0
 
 
+def test_symlog_and_symexp_have_their_derivatives_everywhere_zero_included():
+    """d symlog(v)/dv = 1/(1 + |v|) and d symexp(t)/dt = e^|t|, both 1 at 0: a learned quantity that starts at 0
+    (the context-value path's raw-space combination) must get a gradient there. The values are the closed forms'."""
+    v = torch.tensor([-1e3, -2.5, -1e-12, 0.0, 1e-12, 0.5, 123.0], dtype=torch.float64, requires_grad=True)
+    y = cauchy.symlog(v)
+    (grad,) = torch.autograd.grad(y.sum(), v)
+    plain = v.detach()
+    torch.testing.assert_close(y.detach(), torch.sign(plain) * torch.log1p(plain.abs()), rtol=0.0, atol=0.0)
+    torch.testing.assert_close(grad, 1.0 / (1.0 + plain.abs()), rtol=1e-15, atol=0.0)
+    t = v.detach().clamp(-30.0, 30.0).requires_grad_()
+    (grad,) = torch.autograd.grad(cauchy.symexp(t).sum(), t)
+    torch.testing.assert_close(grad, t.detach().abs().exp(), rtol=1e-15, atol=0.0)
+    assert grad[3].item() == 1.0 and torch.autograd.gradcheck(cauchy.symlog, (v,))
+
+
 @pytest.mark.parametrize("block_rows", [None, 1, 7, 64, 1000])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_linear_by_blocks_equals_linear(block_rows, with_bias):

@@ -345,6 +345,42 @@ def test_training_reaches_the_path(model):
         assert all(g is not None and g.abs().sum() > 0 for g in grads.values()), output_distributions
 
 
+@pytest.mark.parametrize("transform", ["symlog", "identity"])
+@pytest.mark.parametrize("form", ["symlog", "log"])
+def test_the_combinations_start_with_a_gradient(transform, form):
+    """A new path's combinations have weight 0 (constant queries, keys 0), and their keys must get a gradient there,
+    or the start's fit never moves them: T(r) of the raw-space combination at r = 0 and T(L⁻¹(ℓ)) of the log-space one
+    at ℓ = 0 for each value_transform T. The gradient is compared with central differences in float64 (to 1e-4:
+    symlog's second derivative jumps at 0)."""
+    hidden, r = 6, 2
+    path = CausalQwenContextValues(hidden, r, form).double()
+    path.reset_parameters(torch.Generator().manual_seed(0), keep_loaded=False)
+    g = torch.Generator().manual_seed(1)
+    queries, own, before = (torch.randn(1, n, hidden, generator=g, dtype=torch.float64) for n in (3, 3, 3))
+    values = torch.tensor([[2.5, -40.0, 7.0]], dtype=torch.float64)
+    present = torch.ones(1, 3, dtype=torch.bool)
+    from causal_qwen.context_values import entry_values
+
+    entries = entry_values(present, values, transform)
+    visible = torch.ones(1, 3, 3, dtype=torch.bool).tril()
+
+    def offset() -> torch.Tensor:
+        return path.read(queries, path.keys(own[0], before[0])[None], entries, visible, transform).offset.sum()
+
+    offset().backward()
+    grad = path.key.weight.grad
+    for part, rows in (("log", slice(r, 2 * r)), ("raw", slice(2 * r, 3 * r))):
+        assert grad[rows].abs().max() > 1e-6, part
+        with torch.no_grad():
+            eps, (i, j) = 1e-6, (rows.start, 0)
+            path.key.weight[i, j] += eps
+            up = float(offset())
+            path.key.weight[i, j] -= 2 * eps
+            down = float(offset())
+            path.key.weight[i, j] += eps
+        assert grad[i, j].item() == pytest.approx((up - down) / (2 * eps), rel=1e-4, abs=1e-9), part
+
+
 def test_save_and_load_keep_the_path(model, tmp_path):
     model.save_pretrained(tmp_path)
     loaded = CausalQwenForCausalLM.from_pretrained(tmp_path).eval()
