@@ -1,0 +1,244 @@
+"""The context-value path's fit alone, on rows read once: its held-out error per corpus template and real table.
+
+The start from data (`fit_value_head`) reads the backbone's features at every value row, fits the ridge read-out,
+then fits the path (`context_start.fit_context_values`). With the features frozen, the path's fit alone decides how
+each template's target is predicted, and on Qwen2.5-0.5B reading the rows is most of the ten minutes a start of
+`experiments/context_path.py` takes. This script reads the training rows of context_path.py's CPU profile and the
+rows of each test split's targets once (`--read`, about 6 minutes on 2 cores), saves them, and then fits the path on
+them by the library's procedure or a variant of it and reports what context_path.py reports at the start, in about a
+minute per arm.
+
+    python experiments/path_fit.py --read --rows runs/path_fit/rows.pt       # once
+    python experiments/path_fit.py --rows runs/path_fit/rows.pt --arms library,guided
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import run_experiment as experiment  # noqa: E402
+
+from causal_qwen import CausalQwenTokenizer, cauchy, context_start  # noqa: E402
+from causal_qwen.context_start import ContextRows  # noqa: E402
+from causal_qwen.context_values import entry_values  # noqa: E402
+from causal_qwen.data import CausalQwenDataCollator, template_baselines, tokenize_examples  # noqa: E402
+from causal_qwen.starts import PENALTIES, _read_rows_in_eval, _write_readout  # noqa: E402
+
+SPLITS = ("test", "real_test", "extrapolation")
+
+
+def target_batches(tokenizer, examples: list, batch: int):
+    """Batches whose only labelled `<NUM>` is each example's target (its text's last number, as context_path.py
+    measures it), and the examples kept, in row order."""
+    collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
+    kept, batches = [], []
+    examples = experiment.with_target(examples)
+    for k in range(0, len(examples), batch):
+        chunk = examples[k:k + batch]
+        inputs = collator(tokenize_examples(tokenizer, [ex.text for ex in chunk]))
+        labels = torch.full_like(inputs["input_ids"], -100)
+        for b, ex in enumerate(chunk):
+            where = (inputs["input_ids"][b] == tokenizer.num_token_id).nonzero().flatten()
+            if len(where) and float(inputs["numeric_values"][b, where[-1]]) == ex.target_value:
+                labels[b, where[-1]] = tokenizer.num_token_id
+                kept.append(ex)
+        inputs["labels"] = labels
+        batches.append(inputs)
+    return batches, kept
+
+
+def read(args) -> None:
+    profile = experiment.PROFILES[args.profile]
+    data = experiment.load_data(profile, args.seed)
+    tokenizer = CausalQwenTokenizer.from_pretrained(experiment.QWEN_DIR)
+    model = experiment.new_causal(profile, tokenizer, args.seed, context_values=True).eval()
+    collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
+    features = tokenize_examples(tokenizer, [ex.text for ex in data["train"]])
+    t0 = time.perf_counter()
+    train = _read_rows_in_eval(model, experiment.collated(collator, features, profile.eval_batch), 4096, 0, "read")
+    saved = {"train": rows_dict(train), "medians": {name: median for name, (_, median)
+                                                     in template_baselines(data["train"]).items()}}
+    print(f"training rows: {len(train.y)}, {time.perf_counter() - t0:.0f}s", flush=True)
+    for split in SPLITS:
+        batches, kept = target_batches(tokenizer, data[split], profile.eval_batch)
+        rows = _read_rows_in_eval(model, batches, 10 ** 9, 0, "read")
+        assert len(rows.y) == len(kept), (len(rows.y), len(kept))
+        saved[split] = {**rows_dict(rows), "templates": [ex.template for ex in kept],
+                        "true": [ex.target_value for ex in kept]}
+        print(f"{split}: {len(kept)} rows, {time.perf_counter() - t0:.0f}s", flush=True)
+    Path(args.rows).parent.mkdir(parents=True, exist_ok=True)
+    torch.save(saved, args.rows)
+
+
+def rows_dict(rows) -> dict:
+    return {"x": rows.x, "y": rows.y, "x_scale": rows.x_scale,
+            "context": {name: getattr(rows.context, name) for name in ("queries", "keys", "values", "present")}}
+
+
+def context_rows(saved: dict) -> ContextRows:
+    return ContextRows(**{name: list(part) for name, part in saved["context"].items()})
+
+
+@torch.no_grad()
+def predict(model, saved: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The value's `(median, loc_Y, scale_Y)` at each saved row, through the model's read-out and path (float64)."""
+    action, config = model.action, model.config
+    path = copy.deepcopy(model.abduction.context_values).double()
+    queries, keys, values, present = context_rows(saved).stacked(len(saved["y"]))
+    w = action.reg_head.weight.double()[0]
+    loc_linear = saved["x"].double() @ w + float(action.reg_head.bias)
+    spread = (saved["x_scale"].double() + action.b_noise.double().abs()) @ w.abs()
+    noise = float(action.reg_log_noise.exp())
+    own, before = keys.double().chunk(2, dim=-1)
+    entries = entry_values(present, values, config.value_transform)
+    read = path.read(queries.double()[:, None], path.keys(own, before), entries, present[:, None],
+                     config.value_transform)
+    loc, scale = read.apply(loc_linear[:, None], spread[:, None], noise)
+    loc, scale = loc[:, 0], scale[:, 0].clamp(min=config.scale_min)
+    median, _, _ = model.value_interval(loc, scale, 0.5)
+    return median, loc, scale
+
+
+def measure(model, saved: dict, split: str) -> dict:
+    rows = saved[split]
+    median, loc, scale = predict(model, rows)
+    per: dict[str, list] = {}
+    covered = {0.5: [], 0.9: []}
+    for k, (template, true) in enumerate(zip(rows["templates"], rows["true"], strict=True)):
+        per.setdefault(template, []).append(experiment.relative_error(float(median[k]), true))
+        for level in covered:
+            _, low, high = model.value_interval(loc[k], scale[k], level)
+            covered[level].append(float(low) <= true <= float(high))
+    errors = [e for values in per.values() for e in values]
+    return {"per_template": {name: statistics.median(values) for name, values in sorted(per.items())},
+            "pooled": statistics.median(errors),
+            "coverage": [statistics.fmean(covered[0.5]), statistics.fmean(covered[0.9])]}
+
+
+def median_baseline(saved: dict, split: str) -> dict:
+    rows = saved[split]
+    per: dict[str, list] = {}
+    for template, true in zip(rows["templates"], rows["true"], strict=True):
+        per.setdefault(template, []).append(experiment.relative_error(saved["medians"][template], true))
+    return {name: statistics.median(values) for name, values in sorted(per.items())}
+
+
+def train_templates(profile, tokenizer, seed: int) -> list[str]:
+    """The template of each training row, in the order the start read them (each text's numbers in turn)."""
+    from causal_qwen.labels import next_token_targets
+
+    data = experiment.load_data(profile, seed)
+    collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
+    templates = []
+    for ex, feature in zip(data["train"], tokenize_examples(tokenizer, [ex.text for ex in data["train"]]),
+                           strict=True):
+        targets, _ = next_token_targets(collator([feature])["labels"])
+        templates += [ex.template] * int((targets == tokenizer.num_token_id).sum())
+    return templates
+
+
+def subset(train: dict, keep: torch.Tensor) -> dict:
+    """The training rows where `keep` `[N]` holds."""
+    context = {name: [part[i] for i in keep.nonzero().flatten().tolist()] for name, part in train["context"].items()}
+    return {"x": train["x"][keep], "y": train["y"][keep], "x_scale": train["x_scale"][keep], "context": context}
+
+
+@torch.no_grad()
+def fit(model, saved: dict, seed: int, starts: int | None, only: str | None = None) -> dict:
+    train = saved["train"]
+    if only is not None:  # the rows of one template alone
+        train = subset(train, torch.tensor([template == only for template in saved["train_templates"]]))
+    _, _, _, loo = _write_readout(model, train["x"], train["y"], PENALTIES)
+    return context_start.fit_context_values(model, context_rows(train), train["x"], train["x_scale"], train["y"],
+                                            seed=seed, starts=starts, loo_residuals=loo)
+
+
+_LIBRARY = {name: getattr(context_start, name) for name in ("_DIMS", "_PATIENCE", "_LEARNING_RATE")}
+_ADAM = torch.optim.Adam
+_SYMLOG = cauchy.symlog
+
+
+def _sign_times_log(value: torch.Tensor) -> torch.Tensor:
+    """symlog as sign(v)·ln(1 + |v|), whose autograd derivative at 0 is 0 (the library's before it was fixed)."""
+    return torch.sign(value) * torch.log1p(value.abs())
+
+
+def arm(name: str) -> None:
+    """Set `context_start` to the library's fit, then to arm `name`'s variant of it: `library`, or `+`-joined
+    `dims=D` (principal coordinates), `patience=P`, `lr=R`, `wd=W` (AdamW's decoupled weight decay), or
+    `zero-gradient` (symlog as it was, whose derivative at 0 autograd gave as 0)."""
+    for key, value in _LIBRARY.items():
+        setattr(context_start, key, value)
+    context_start.torch.optim.Adam = _ADAM
+    cauchy.symlog = _SYMLOG
+    if name == "library":
+        return
+    for part in name.split("+"):
+        if part == "zero-gradient":  # the raw-space combination as it was: no gradient at its start
+            cauchy.symlog = _sign_times_log
+            continue
+        key, value = part.split("=")
+        if key == "dims":
+            context_start._DIMS = int(value)
+        elif key == "patience":
+            context_start._PATIENCE = int(value)
+        elif key == "lr":
+            context_start._LEARNING_RATE = float(value)
+        elif key == "wd":
+            context_start.torch.optim.Adam = lambda params, lr, decay=float(value): torch.optim.AdamW(
+                params, lr=lr, weight_decay=decay)
+        else:
+            raise ValueError(f"unknown arm part {part!r}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--read", action="store_true", help="read and save the rows (once)")
+    parser.add_argument("--rows", default="runs/path_fit/rows.pt")
+    parser.add_argument("--profile", default="cpu", choices=sorted(experiment.PROFILES))
+    parser.add_argument("--arms", default="library")
+    parser.add_argument("--starts", type=int)
+    parser.add_argument("--only", help="fit on this template's training rows alone")
+    parser.add_argument("--seed", type=int, default=0, help="the data's and the conversion's (as the rows were read)")
+    parser.add_argument("--fit-seeds", default="0", help="comma-separated: each arm is fitted from each of these "
+                        "seeds of the path's random starts (the library's: 0)")
+    args = parser.parse_args()
+    if args.read:
+        read(args)
+        return
+    saved = torch.load(args.rows, weights_only=False)
+    profile = experiment.PROFILES[args.profile]
+    tokenizer = CausalQwenTokenizer.from_pretrained(experiment.QWEN_DIR)
+    model = experiment.new_causal(profile, tokenizer, args.seed, context_values=True).eval()
+    saved["train_templates"] = train_templates(profile, tokenizer, args.seed)
+    assert len(saved["train_templates"]) == len(saved["train"]["y"]), len(saved["train_templates"])
+    pristine = copy.deepcopy(model.abduction.context_values.state_dict())
+    for split in SPLITS:
+        medians = median_baseline(saved, split)
+        print(f"{split} training median: " + ", ".join(f"{k} {v:.3f}" for k, v in medians.items()))
+    for name, fit_seed in [(name, int(s)) for name in args.arms.split(",") for s in args.fit_seeds.split(",")]:
+        model.abduction.context_values.load_state_dict(pristine)
+        arm(name)
+        t0 = time.perf_counter()
+        record = fit(model, saved, fit_seed, args.starts, args.only)
+        print(f"\n{name}, fit seed {fit_seed}: fit {time.perf_counter() - t0:.0f}s, "
+              f"held-out NLL {record['context_nll']:.4f} "
+              f"(read-out {record['context_nll_linear']:.4f}), step {record['context_step']}, "
+              f"seed {record['context_seed']}", flush=True)
+        for split in SPLITS:
+            m = measure(model, saved, split)
+            cells = ", ".join(f"{k} {v:.3f}" for k, v in m["per_template"].items())
+            print(f"  {split}: {cells}; mean {statistics.fmean(m['per_template'].values()):.3f}, pooled "
+                  f"{m['pooled']:.3f}, coverage {m['coverage'][0]:.2f} / {m['coverage'][1]:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
