@@ -164,6 +164,18 @@ def fit(model, saved: dict, seed: int, starts: int | None, only: str | None = No
 _LIBRARY = {name: getattr(context_start, name) for name in ("_DIMS", "_PATIENCE", "_LEARNING_RATE")}
 _ADAM = torch.optim.Adam
 _SYMLOG = cauchy.symlog
+_FIT_FROM = context_start._fit_from
+
+
+def _combinations_read_roles(small, *args, **kwargs):
+    """`_fit_from` with the combinations' keys held to the words before each number (K'·z_{j−1} + b_K): the rows of
+    K·z_j for the log- and raw-space weights start at 0 and get no gradient."""
+    r = small.rank
+    hook = small.key.weight.register_hook(lambda grad: torch.cat((grad[:r], torch.zeros_like(grad[r:]))))
+    try:
+        return _FIT_FROM(small, *args, **kwargs)
+    finally:
+        hook.remove()
 
 
 def _sign_times_log(value: torch.Tensor) -> torch.Tensor:
@@ -174,14 +186,19 @@ def _sign_times_log(value: torch.Tensor) -> torch.Tensor:
 def arm(name: str) -> None:
     """Set `context_start` to the library's fit, then to arm `name`'s variant of it: `library`, or `+`-joined
     `dims=D` (principal coordinates), `patience=P`, `lr=R`, `wd=W` (AdamW's decoupled weight decay), or
-    `zero-gradient` (symlog as it was, whose derivative at 0 autograd gave as 0)."""
+    `zero-gradient` (symlog as it was, whose derivative at 0 autograd gave as 0), or `roles` (the combinations'
+    keys read the words before each number, not its own features)."""
     for key, value in _LIBRARY.items():
         setattr(context_start, key, value)
     context_start.torch.optim.Adam = _ADAM
     cauchy.symlog = _SYMLOG
+    context_start._fit_from = _FIT_FROM
     if name == "library":
         return
     for part in name.split("+"):
+        if part == "roles":
+            context_start._fit_from = _combinations_read_roles
+            continue
         if part == "zero-gradient":  # the raw-space combination as it was: no gradient at its start
             cauchy.symlog = _sign_times_log
             continue

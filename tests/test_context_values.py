@@ -436,6 +436,11 @@ def test_the_start_from_data_fits_the_path_to_copy(tiny_qwen, monkeypatch):
         results[on] = (_repeat_error(model, _repeat_batches(3, seed=2)), fit)
     (without, _), (with_path, fit) = results[False], results[True]
     assert fit.context_step > 0 and fit.context_nll < fit.context_nll_linear
+    # The combinations' keys read the words before each number, not its own features (whose size they would read):
+    # their rows of K stay exactly 0, where the copies' rows and K' of the combinations were fitted.
+    path = model.abduction.context_values
+    assert torch.equal(path.key.weight[RANK:], torch.zeros_like(path.key.weight[RANK:]))
+    assert path.key.weight[:RANK].abs().min() > 0 and path.key_before.weight[RANK:].abs().max() > 0
     assert without > 0.3 and with_path < 0.05, (without, with_path)
     # Refitting (as training does before each evaluation) fits the read-out on all 640 rows and the path after it,
     # as the start does; and the copies stay.
