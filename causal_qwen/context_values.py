@@ -88,13 +88,21 @@ class ContextRead:
         weight = self.linear_weight
         loc = weight * loc_linear.double() + self.offset
         scale = weight * spread_linear.double() + self.width * noise_scale
-        return loc.to(loc_linear.dtype), scale.to(spread_linear.dtype)
+        return _saturated(loc, loc_linear.dtype), _saturated(scale, spread_linear.dtype)
 
     def last(self, rows: int) -> ContextRead:
         """The read of the last `rows` positions."""
         choice = None if self.choice is None else self.choice[:, -rows:]
         return ContextRead(self.linear_weight[:, -rows:], self.offset[:, -rows:], self.width[:, -rows:], self.in_graph,
                            choice)
+
+
+def _saturated(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`values` (float64) in `dtype`, a finite one past its range at its largest value rather than ±inf: a combination
+    of values near float32's limit can land past it, and an inf location gives the value's loss no gradient. An
+    infinite input (the read-out's own overflow) stays infinite."""
+    limit = torch.finfo(dtype).max
+    return torch.where(values.isfinite(), values.clamp(-limit, limit), values).to(dtype)
 
 
 class CausalQwenContextValues(nn.Module):

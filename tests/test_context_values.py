@@ -589,3 +589,16 @@ def test_a_far_width_gives_a_finite_value_and_gradient(model):
     assert torch.isfinite(out.scale_Y).all() and torch.isfinite(out.loss)
     out.loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_a_location_past_the_heads_dtype_saturates_and_an_infinite_one_stays():
+    """The read is float64 and the head float32: a combination past float32's range gives its largest value, not
+    inf (whose loss has no gradient); a read-out location that is already inf stays inf."""
+    from causal_qwen.context_values import ContextRead
+
+    one = torch.ones(1, 3, dtype=torch.float64)
+    read = ContextRead(one * 0.5, torch.tensor([[1e39, -1e39, 2.0]], dtype=torch.float64), one)
+    loc, scale = read.apply(torch.tensor([[4.0, 4.0, float("inf")]]), torch.tensor([[1.0, 1.0, 1.0]]), 1e39)
+    limit = torch.finfo(torch.float32).max
+    assert loc.dtype == torch.float32 and loc[0].tolist() == [limit, -limit, float("inf")]
+    assert scale[0].tolist() == [limit] * 3
