@@ -24,7 +24,7 @@ _INT_FIELDS = {"num_token_id": 0, "causal_size": 1, "conversion_seed": 0, "conte
 # Keywords that `PretrainedConfig` takes without a field of that name (it pops or converts them).
 _INIT_KEYWORDS = ("attn_implementation", "experts_implementation", "output_attentions", "num_labels", "torch_dtype",
                   "rope_theta", "rope_scaling", "name_or_path")
-# The logs the path's log-space combination can sum (context_values.LOG_VALUES; that module imports this one).
+# The logs the context-value path's log-space combination can sum (`context_values_log`; docs/math.md).
 CONTEXT_VALUES_LOGS = ("symlog", "log")
 _CHECKED_FIELDS = frozenset((*_FLOAT_FIELDS, *_BOOL_FIELDS, *_INT_FIELDS, "value_transform", "value_head_fit",
                              "context_values_log"))

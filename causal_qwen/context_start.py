@@ -225,8 +225,8 @@ def _fit_from(small, loss, split, transform: str, noise: float) -> tuple[float, 
     located = [p for p in small.parameters() if all(p is not w for w in widths)]
     # The combinations' weight on a number reads its role, the words before it (K'·z_{j−1} + b_K), not its own
     # features, which carry its size: with K·z_j in them the repeat at unseen scales missed by 0.72-0.81 over three
-    # fits, against 0.17-0.56 without (docs/experiments.md, "The combinations read the number's role"). Their rows
-    # of K start at 0 and get no gradient; the copies' keep K·z_j.
+    # fits, against 0.17-0.56 without (docs/experiments.md, "The combinations: a gradient at their start, and keys
+    # of roles"). Their rows of K start at 0 and get no gradient; the copies' keep K·z_j.
     rank = small.rank
     hook = small.key.weight.register_hook(lambda grad: torch.cat((grad[:rank], torch.zeros_like(grad[rank:]))))
     try:

@@ -58,8 +58,6 @@ _START_SCORES = (0.0, -4.0, -4.0)
 LINEAR_ONLY_SCORE = 40.0
 # A log-space combination beyond this is past float64's range once exponentiated.
 _MAX_LOG = 700.0
-# The logs the log-space combination can sum (`config.context_values_log`): symlog(v), and ln|v|.
-LOG_VALUES = CONTEXT_VALUES_LOGS
 # ρ stays within e^±40.
 MAX_LOG_WIDTH = 40.0
 
@@ -110,8 +108,8 @@ class CausalQwenContextValues(nn.Module):
 
     def __init__(self, hidden_size: int, rank: int, log_values: str = "symlog"):
         super().__init__()
-        if log_values not in LOG_VALUES:
-            raise ValueError(f"log_values must be one of {LOG_VALUES}, got {log_values!r}")
+        if log_values not in CONTEXT_VALUES_LOGS:
+            raise ValueError(f"log_values must be one of {CONTEXT_VALUES_LOGS}, got {log_values!r}")
         self.rank = rank
         # How the log-space combination takes the log of the values: "symlog" or "log" (ln|v|; module docstring).
         self.log_values = log_values

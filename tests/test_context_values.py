@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from causal_qwen import CausalQwenConfig, CausalQwenForCausalLM
-from causal_qwen.context_values import CausalQwenContextValues
+from causal_qwen.context_values import CausalQwenContextValues, entry_values
 
 NUM = 120
 PAD = 0
@@ -359,8 +359,6 @@ def test_the_combinations_start_with_a_gradient(transform, form):
     queries, own, before = (torch.randn(1, n, hidden, generator=g, dtype=torch.float64) for n in (3, 3, 3))
     values = torch.tensor([[2.5, -40.0, 7.0]], dtype=torch.float64)
     present = torch.ones(1, 3, dtype=torch.bool)
-    from causal_qwen.context_values import entry_values
-
     entries = entry_values(present, values, transform)
     visible = torch.ones(1, 3, 3, dtype=torch.bool).tril()
 
