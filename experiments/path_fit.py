@@ -88,8 +88,9 @@ def context_rows(saved: dict) -> ContextRows:
 
 
 @torch.no_grad()
-def predict(model, saved: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The value's `(median, loc_Y, scale_Y)` at each saved row, through the model's read-out and path (float64)."""
+def predict(model, saved: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The value's `(median, loc_Y, scale_Y)` at each saved row, through the model's read-out and path (float64),
+    and the path's choice π̄ = (π_0, Σ_j π_j, π_ℓ, π_r) `[N, 4]`."""
     action, config = model.action, model.config
     path = copy.deepcopy(model.abduction.context_values).double()
     queries, keys, values, present = context_rows(saved).stacked(len(saved["y"]))
@@ -104,22 +105,25 @@ def predict(model, saved: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     loc, scale = read.apply(loc_linear[:, None], spread[:, None], noise)
     loc, scale = loc[:, 0], scale[:, 0].clamp(min=config.scale_min)
     median, _, _ = model.value_interval(loc, scale, 0.5)
-    return median, loc, scale
+    return median, loc, scale, read.choice[:, 0]
 
 
 def measure(model, saved: dict, split: str) -> dict:
     rows = saved[split]
-    median, loc, scale = predict(model, rows)
+    median, loc, scale, choice = predict(model, rows)
     per: dict[str, list] = {}
+    chosen: dict[str, list] = {}
     covered = {0.5: [], 0.9: []}
     for k, (template, true) in enumerate(zip(rows["templates"], rows["true"], strict=True)):
         per.setdefault(template, []).append(experiment.relative_error(float(median[k]), true))
+        chosen.setdefault(template, []).append(choice[k])
         for level in covered:
             _, low, high = model.value_interval(loc[k], scale[k], level)
             covered[level].append(float(low) <= true <= float(high))
     errors = [e for values in per.values() for e in values]
     return {"per_template": {name: statistics.median(values) for name, values in sorted(per.items())},
             "pooled": statistics.median(errors),
+            "choice": {name: torch.stack(values).mean(0).tolist() for name, values in sorted(chosen.items())},
             "coverage": [statistics.fmean(covered[0.5]), statistics.fmean(covered[0.9])]}
 
 
@@ -161,7 +165,8 @@ def fit(model, saved: dict, seed: int, starts: int | None, only: str | None = No
                                             seed=seed, starts=starts, loo_residuals=loo)
 
 
-_LIBRARY = {name: getattr(context_start, name) for name in ("_DIMS", "_PATIENCE", "_LEARNING_RATE")}
+_LIBRARY = {name: getattr(context_start, name) for name in ("_DIMS", "_PATIENCE", "_LEARNING_RATE",
+                                                        "_SCALES", "_COPY_TOLERANCE")}
 _ADAM = torch.optim.Adam
 _SYMLOG = cauchy.symlog
 _FIT_FROM = context_start._fit_from
@@ -199,6 +204,12 @@ def arm(name: str) -> None:
         if part == "roles":
             context_start._fit_from = _combinations_read_roles
             continue
+        if part.startswith("scales="):
+            context_start._SCALES = tuple(float(x) for x in part.split("=")[1].split("/"))
+            continue
+        if part.startswith("copy-tol="):
+            context_start._COPY_TOLERANCE = float(part.split("=")[1])
+            continue
         if part == "zero-gradient":  # the raw-space combination as it was: no gradient at its start
             cauchy.symlog = _sign_times_log
             continue
@@ -223,6 +234,7 @@ def main() -> None:
     parser.add_argument("--profile", default="cpu", choices=sorted(experiment.PROFILES))
     parser.add_argument("--arms", default="library")
     parser.add_argument("--starts", type=int)
+    parser.add_argument("--choices", action="store_true", help="also print each template's mean choice π̄")
     parser.add_argument("--only", help="fit on this template's training rows alone")
     parser.add_argument("--seed", type=int, default=0, help="the data's and the conversion's (as the rows were read)")
     parser.add_argument("--fit-seeds", default="0", help="comma-separated: each arm is fitted from each of these "
@@ -255,6 +267,9 @@ def main() -> None:
             cells = ", ".join(f"{k} {v:.3f}" for k, v in m["per_template"].items())
             print(f"  {split}: {cells}; mean {statistics.fmean(m['per_template'].values()):.3f}, pooled "
                   f"{m['pooled']:.3f}, coverage {m['coverage'][0]:.2f} / {m['coverage'][1]:.2f}", flush=True)
+            if args.choices:
+                print("    mean choice (read-out, copies, log, raw): " + "; ".join(
+                    f"{k} " + "/".join(f"{p:.2f}" for p in v) for k, v in m["choice"].items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -440,6 +440,8 @@ def test_the_start_from_data_fits_the_path_to_copy(tiny_qwen, monkeypatch):
     assert torch.equal(path.key.weight[RANK:], torch.zeros_like(path.key.weight[RANK:]))
     assert path.key.weight[:RANK].abs().min() > 0 and path.key_before.weight[RANK:].abs().max() > 0
     assert without > 0.3 and with_path < 0.05, (without, with_path)
+    # A copy is exact at any scale: stated values a hundred times the largest the start saw are repeated too.
+    assert _repeat_error(model, _scaled(_repeat_batches(3, seed=2), 100.0)) < 0.05
     # Refitting (as training does before each evaluation) fits the read-out on all 640 rows and the path after it,
     # as the start does; and the copies stay.
     refit = refit_value_readout(model, _repeat_batches(20, seed=1))
@@ -455,6 +457,50 @@ def test_the_start_from_data_fits_the_path_to_copy(tiny_qwen, monkeypatch):
     again = refit_value_readout(model, _repeat_batches(20, seed=1))
     assert again.context_nll <= refit.context_nll + 1e-6, (again.context_nll, refit.context_nll)
     assert _repeat_error(model, _repeat_batches(3, seed=2)) < 0.05
+
+
+def _scaled(batches: list, scale: float) -> list:
+    for batch in batches:
+        batch["numeric_values"] = batch["numeric_values"] * scale
+    return batches
+
+
+@pytest.mark.parametrize("transform", ["symlog", "identity"])
+def test_the_rows_of_copies_are_fitted_again_at_other_scales(transform, monkeypatch):
+    """`_with_scaled_copies` against the rows built one by one: a row joins once per scale exactly where its target is
+    within 2% of an earlier present number, with the earlier values and the target times the scale, everything else
+    as it was."""
+    from causal_qwen import cauchy, context_start
+    from causal_qwen.context_start import _Rows, _with_scaled_copies
+
+    monkeypatch.setattr(context_start, "_SCALES", (0.01, 100.0))
+    values = torch.tensor([[5.0, 100.0], [5.0, 0.0], [3.0, 0.0], [0.0, 0.0], [-8.0, 2.0], [7.0, 0.0]],
+                          dtype=torch.float64)
+    present = torch.tensor([[1, 1], [1, 0], [1, 0], [0, 0], [1, 1], [0, 0]], dtype=torch.bool)
+    targets = [101.9, 5.0, 3.1, 0.0, -8.1, 7.0]  # copies: row 0 (of 100), row 1, row 4 (of −8); not row 2 (3.3%),
+    # not row 3 (no number), not row 5 (its 7 is not present)
+    n = len(targets)
+    rows = _Rows(torch.randn(n, 3, dtype=torch.float64), torch.randn(n, 2, 6, dtype=torch.float64),
+                 entry_values(present, values, transform), present, torch.randn(n, dtype=torch.float64),
+                 torch.rand(n, dtype=torch.float64),
+                 cauchy.transform_values(torch.tensor(targets, dtype=torch.float64), transform))
+    out = _with_scaled_copies(rows, transform)
+    expected = [list(range(n))] + [[0, 1, 4]] * 2
+    order = [k for part in expected for k in part]
+    scale = [1.0] * n + [0.01] * 3 + [100.0] * 3
+    assert len(out.target) == len(order)
+    for i, (k, s) in enumerate(zip(order, scale, strict=True)):
+        for name in ("queries", "keys", "present", "loc_linear", "spread"):
+            assert torch.equal(getattr(out, name)[i], getattr(rows, name)[k]), name
+        for j in range(2):
+            v = values[k, j].item() * s if present[k, j] else 0.0
+            y = math.copysign(math.log1p(abs(v)), v) if transform == "symlog" else v
+            assert out.entries[i, j].tolist() == pytest.approx([y, v, float(present[k, j]), 1.0], rel=1e-12)
+        t = targets[k] * s
+        assert out.target[i].item() == pytest.approx(math.copysign(math.log1p(abs(t)), t) if transform == "symlog"
+                                                     else t, rel=1e-12)
+    monkeypatch.setattr(context_start, "_SCALES", ())
+    assert _with_scaled_copies(rows, transform) is rows
 
 
 def _noisy_repeat_batches(n_batches: int, seed: int, noise: float = 0.05):
