@@ -65,7 +65,11 @@ def plot_predictions(model, stats: torch.Tensor, path: str | Path) -> Path:
         ax.plot([lo, hi], [lo, hi], color="k", lw=1, ls="--", label="y = x")
         ax.set_xscale("symlog")
         ax.set_yscale("symlog")
-        ax.set_ylim(min(lo, float(median.min())) - 1, max(hi, float(median.max())) * 2 + 1)
+        # A median past the dtype's range (a value the model puts beyond it) is inf: the limits read the finite ones.
+        finite = median[median.isfinite()]
+        low_limit = min(lo, float(finite.min())) if finite.numel() else lo
+        high_limit = max(hi, float(finite.max())) if finite.numel() else hi
+        ax.set_ylim(low_limit - 1, high_limit * 2 + 1)
     ax.set_xlabel("true value")
     ax.set_ylabel("predicted value")
     ax.set_title(f"numbers: predicted vs true ({int(rows.sum())} targets)")
