@@ -122,7 +122,7 @@ def _with_scaled_copies(rows: _Rows, transform: str) -> _Rows:
     A copy is right at any scale and the read-out is not, but at the scales of the rows the read-out is close to a
     copy's target too, and a choice that leaves it a tenth of the weight costs the fit next to nothing there. At a
     scale never seen that tenth misses by the read-out's whole error: on Qwen2.5-0.5B the repeat of a stated number
-    missed by 0.17-0.56 at unseen scales over three fits with a share of 0.14-0.41 on the read-out. Rows where the
+    missed by 0.31-0.77 at unseen scales over three fits with a share of 0.14-0.41 on the read-out. Rows where the
     read-out is off by the scale make the copy's the only right answer, in the fit and in the held-out NLL that
     chooses among its starts (docs/experiments.md, "Scaled copies")."""
     if not _SCALES:
