@@ -131,12 +131,9 @@ def _with_scaled_copies(rows: _Rows, transform: str) -> _Rows:
     target = untransform_values(rows.target, transform)
     near = (values - target[:, None]).abs() <= _COPY_TOLERANCE * target.abs()[:, None]
     copies = (near & rows.present & (target != 0)[:, None]).any(-1)
-    parts = [rows]
-    for scale in _SCALES:
-        kept = _Rows(*(t[copies] for t in rows))
-        scaled = values[copies] * scale
-        parts.append(kept._replace(entries=entry_values(kept.present, scaled, transform),
-                                   target=transform_values(target[copies] * scale, transform)))
+    kept, values, target = _Rows(*(t[copies] for t in rows)), values[copies], target[copies]
+    parts = [rows] + [kept._replace(entries=entry_values(kept.present, values * scale, transform),
+                                    target=transform_values(target * scale, transform)) for scale in _SCALES]
     return _Rows(*(torch.cat(columns) for columns in zip(*parts, strict=True)))
 
 
