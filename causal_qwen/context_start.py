@@ -42,6 +42,10 @@ _MIN_CALIBRATION_ROWS = 20  # fewer held-out rows leave the widths as fitted
 # value times each of these scales (`_with_scaled_copies`).
 _COPY_TOLERANCE = 0.02
 _SCALES = (0.01, 100.0)
+# The widths' calibration reads the leading principal coordinates of the query, as many as this and at most one per
+# `_ROWS_PER_WIDTH_DIM` held-out rows (`_calibrate_width`).
+_CALIBRATION_DIMS = 4
+_ROWS_PER_WIDTH_DIM = 25
 
 
 def held_out_rows(rows: int) -> int:
@@ -236,11 +240,14 @@ def fit_context_values(model, rows: ContextRows, x: torch.Tensor, scale_u: torch
     chosen = linear_only.state_dict() if best[1] is None else best[1]
     small.load_state_dict(chosen)
     shift = torch.zeros_like(chosen["width_by_choice"])
+    reading = torch.zeros(0, dtype=torch.float64)
     if noise > 0 and int(held.sum()) >= _MIN_CALIBRATION_ROWS:
         if loo_residuals is not None:  # the read-out's locations as it predicts rows it was not fitted on
             calibration = calibration._replace(loc_linear=(y - loo_residuals[:n].double())[held])
-        shift = _calibrate_width(small, transform, calibration, noise, floor)
+        shift, reading = _calibrate_width(small, transform, calibration, noise, floor)
     chosen["width_by_choice"] = chosen["width_by_choice"] + shift
+    chosen["width.weight"] = chosen["width.weight"].clone()
+    chosen["width.weight"][0, :len(reading)] += reading
     _write_back(path, chosen, mean, to_coords)
     return {"context_rows": n, "context_nll_linear": baseline, "context_nll": best[0], "context_step": best[2],
             "context_width_shift": shift.tolist(), "context_seed": best[3]}
@@ -301,9 +308,11 @@ def _descend(small, params: list, objective, baseline: float) -> tuple[float, di
     return best
 
 
-def _calibrate_width(small, transform, held_out: _Rows, noise: float, floor: float) -> torch.Tensor:
+def _calibrate_width(small, transform, held_out: _Rows, noise: float,
+                     floor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """A shift of log ρ for the read-out's share of the choice and one for the path's (added to `width_by_choice`,
-    the path's three entries alike) that minimise the value's NLL on the held-out rows.
+    the path's three entries alike), and a map of the query's leading principal coordinates (added to the width's
+    map `a`), that minimise the value's NLL on the held-out rows: `(shift [4], map [dims])`.
 
     The path's locations and widths are fitted on the same rows, where its errors are smaller than on new text, so
     its widths come out narrow: 50% intervals covered about a quarter of the test targets on Qwen2.5-0.5B. The Cauchy
@@ -312,6 +321,12 @@ def _calibrate_width(small, transform, held_out: _Rows, noise: float, floor: flo
     context miss by different amounts; not one per choice in π̄ = (π_0, Σ_j π_j, π_ℓ, π_r), because a choice that the
     held-out rows hardly make has no residuals to fit, and its shift drifted to ±80 on the tiny model of
     tests/test_keep_start.py, which then misjudged the width wherever that choice was made.
+
+    The map, because rows of different kinds miss by different amounts whatever they chose: with the two shifts alone
+    one width served the corpus's copies and the tables' ones, and the corpus's 50% intervals covered 0.38-0.40 of
+    its test targets over three fits on Qwen2.5-0.5B (the tables' 0.54-0.65); with four coordinates, 0.45-0.58
+    (docs/experiments.md, "A calibration that reads the input"). At most one coordinate per `_ROWS_PER_WIDTH_DIM`
+    held-out rows, so that a few rows fit the shifts alone.
     """
     with torch.no_grad():
         read = _read(small, transform, held_out)
@@ -320,21 +335,25 @@ def _calibrate_width(small, transform, held_out: _Rows, noise: float, floor: flo
     log_width, choice = read.width[:, 0].log(), read.choice[:, 0]
     shares = torch.stack((choice[:, 0], choice[:, 1:].sum(-1)), -1)  # the read-out's and the path's
     shift = torch.zeros(2, dtype=torch.float64, requires_grad=True)
-    optimizer = torch.optim.LBFGS([shift], max_iter=200, line_search_fn="strong_wolfe")
+    dims = min(_CALIBRATION_DIMS, held_out.queries.shape[1], len(held_out.target) // _ROWS_PER_WIDTH_DIM)
+    coords = held_out.queries[:, :dims]
+    reading = torch.zeros(dims, dtype=torch.float64, requires_grad=True)
+    optimizer = torch.optim.LBFGS([shift, reading], max_iter=200, line_search_fn="strong_wolfe")
 
     def closure():
         optimizer.zero_grad()
-        width = (log_width + shares @ shift).clamp(-MAX_LOG_WIDTH, MAX_LOG_WIDTH).exp()  # as the model bounds ρ
+        log = log_width + shares @ shift + coords @ reading
+        width = log.clamp(-MAX_LOG_WIDTH, MAX_LOG_WIDTH).exp()  # as the model bounds ρ
         loss = nll(held_out.target, loc, (fixed + noise * width).clamp(min=floor)).mean()
         loss.backward()
         return loss
 
     with torch.enable_grad():
         optimizer.step(closure)
-    shift = shift.detach()
-    if not torch.isfinite(shift).all():
-        return torch.zeros(choice.shape[1], dtype=torch.float64)
-    return torch.cat((shift[:1], shift[1:].expand(choice.shape[1] - 1)))
+    shift, reading = shift.detach(), reading.detach()
+    if not (torch.isfinite(shift).all() and torch.isfinite(reading).all()):
+        return torch.zeros(choice.shape[1], dtype=torch.float64), torch.zeros(dims, dtype=torch.float64)
+    return torch.cat((shift[:1], shift[1:].expand(choice.shape[1] - 1))), reading
 
 
 @torch.no_grad()

@@ -166,7 +166,7 @@ def fit(model, saved: dict, seed: int, starts: int | None, only: str | None = No
 
 
 _LIBRARY = {name: getattr(context_start, name) for name in ("_DIMS", "_PATIENCE", "_LEARNING_RATE",
-                                                        "_SCALES", "_COPY_TOLERANCE")}
+                                                        "_SCALES", "_COPY_TOLERANCE", "_CALIBRATION_DIMS")}
 _ADAM = torch.optim.Adam
 _SYMLOG = cauchy.symlog
 _FIT_FROM = context_start._fit_from
@@ -206,6 +206,9 @@ def arm(name: str) -> None:
             continue
         if part.startswith("scales="):
             context_start._SCALES = tuple(float(x) for x in part.split("=")[1].split("/"))
+            continue
+        if part.startswith("width-dims="):
+            context_start._CALIBRATION_DIMS = int(part.split("=")[1])
             continue
         if part.startswith("copy-tol="):
             context_start._COPY_TOLERANCE = float(part.split("=")[1])

@@ -646,3 +646,40 @@ def test_a_location_past_the_heads_dtype_saturates_and_an_infinite_one_stays():
     limit = torch.finfo(torch.float32).max
     assert loc.dtype == torch.float32 and loc[0].tolist() == [limit, -limit, float("inf")]
     assert scale[0].tolist() == [limit] * 3
+
+
+def test_the_widths_calibration_reads_the_input(model):
+    """Two kinds of rows, told apart by one direction of the features, whose values miss the read-out by Cauchy
+    noise of scales 0.05 and 0.5: the calibrated interval of each kind has the scale of its own noise (the Cauchy
+    NLL's minimiser), not one width between them. Rows without an earlier number leave the value to the read-out, so
+    the scale of the value is |w_reg|·scale_U' + γ_Y·ρ, which the check computes from the written path in float64."""
+    from causal_qwen.context_start import ContextRows, fit_context_values
+
+    g = torch.Generator().manual_seed(5)
+    n, hidden = 1000, model.config.hidden_size
+    kind = torch.arange(n) % 2 == 1
+    direction = torch.zeros(hidden)
+    direction[0] = 1.0
+    queries = 0.1 * torch.randn(n, hidden, generator=g) + 3.0 * torch.where(kind, 1.0, -1.0)[:, None] * direction
+    rows = ContextRows()
+    for query in queries:
+        rows.queries.append(query)
+        rows.keys.append(torch.zeros(2, 2 * hidden))
+        rows.values.append(torch.zeros(2, dtype=torch.float64))
+        rows.present.append(torch.zeros(2, dtype=torch.bool))
+    action = model.action
+    channels = action.reg_head.weight.shape[1]
+    x = torch.randn(n, channels, generator=g, dtype=torch.float64)
+    scale_u = torch.rand(n, channels, generator=g, dtype=torch.float64) * 1e-4
+    w, b = action.reg_head.weight.detach().double()[0], float(action.reg_head.bias)
+    noise_scale = torch.where(kind, 0.5, 0.05).double()
+    y = x @ w + b + noise_scale * torch.tan(math.pi * (torch.rand(n, generator=g, dtype=torch.float64) - 0.5))
+    fit_context_values(model, rows, x, scale_u, y, loo_residuals=y - x @ w - b)
+
+    path = model.abduction.context_values
+    with torch.no_grad():
+        log_width = path.width(queries).double()[:, 0] + path.width_by_choice.double()[0]  # π̄ = (1, 0, 0, 0)
+    spread = (scale_u + action.b_noise.detach().double().abs()) @ w.abs()
+    scale = spread + float(action.reg_log_noise.exp()) * log_width.exp()
+    for which, expected in ((kind, 0.5), (~kind, 0.05)):
+        assert scale[which].median() == pytest.approx(expected, rel=0.25), (which.sum(), scale[which].median())
