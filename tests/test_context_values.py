@@ -683,3 +683,55 @@ def test_the_widths_calibration_reads_the_input(model):
     scale = spread + float(action.reg_log_noise.exp()) * log_width.exp()
     for which, expected in ((kind, 0.5), (~kind, 0.05)):
         assert scale[which].median() == pytest.approx(expected, rel=0.25), (which.sum(), scale[which].median())
+
+
+@pytest.mark.parametrize("copies_every", [5, 1])
+def test_a_path_is_kept_only_where_it_beats_the_read_out_on_the_rows_as_read(model, monkeypatch, copies_every):
+    """The scaled copies are rows where the read-out is wrong by construction, so a path that always copies can beat
+    it on the held-out rows with them and lose on the rows the data hold. Here every row has one earlier number: in
+    every `copies_every`-th run of five rows the target is that number, in the others the read-out's location, with
+    the number 1.5 away in symlog. The candidate fit is a path that always copies (its choice scores 40 below the
+    copy's). Its held-out NLL with the scaled rows is below the read-out's in both cases; with a copy in one run of
+    five it is worse on the rows as read and the start keeps the read-out, with copies everywhere it is kept."""
+    from causal_qwen import context_start
+    from causal_qwen.cauchy import symexp, symlog
+    from causal_qwen.context_start import ContextRows, fit_context_values, held_out_rows
+    from causal_qwen.context_values import LINEAR_ONLY_SCORE
+
+    g = torch.Generator().manual_seed(11)
+    n, hidden = 200, model.config.hidden_size
+    action = model.action
+    channels = action.reg_head.weight.shape[1]
+    x = torch.randn(n, channels, generator=g, dtype=torch.float64) * 0.1
+    w, b = action.reg_head.weight.detach().double()[0], float(action.reg_head.bias)
+    loc = x @ w + b
+    copy = torch.arange(n) // 5 % copies_every == 0  # every fifth row is held out: copies among them too
+    number = torch.where(copy, 30.0 + 50.0 * torch.rand(n, generator=g, dtype=torch.float64),
+                         symexp(loc + 1.5))
+    y = torch.where(copy, symlog(number), loc)
+    rows = ContextRows()
+    for k in range(n):
+        rows.queries.append(torch.randn(hidden, generator=g))
+        rows.keys.append(torch.randn(1, 2 * hidden, generator=g))
+        rows.values.append(number[k:k + 1])
+        rows.present.append(torch.ones(1, dtype=torch.bool))
+    candidate = {}
+
+    def always_copy(small, loss, split, transform, noise):
+        with torch.no_grad():
+            small.choice.bias.fill_(-40.0)
+            candidate["nll"] = float(loss(small, True))
+            # The same path on the held-out rows as read: the scaled copies follow them in `split[True]`.
+            held = split[True]
+            as_read = context_start._Rows(*(t[:held_out_rows(n)] for t in held))
+            candidate["nll_as_read"] = float(loss(small, True, as_read))
+        return candidate["nll"], {k: v.clone() for k, v in small.state_dict().items()}, 1
+
+    monkeypatch.setattr(context_start, "_fit_from", always_copy)
+    fit = fit_context_values(model, rows, x, torch.full((n, channels), 1e-4, dtype=torch.float64), y, starts=1)
+    assert candidate["nll"] < fit["context_nll_linear"], (candidate, fit)
+    linear_only = float(model.abduction.context_values.choice.bias[0]) == LINEAR_ONLY_SCORE
+    if copies_every == 1:
+        assert fit["context_nll"] == candidate["nll"] and not linear_only, (candidate, fit)
+    else:
+        assert fit["context_nll"] == fit["context_nll_linear"] and linear_only, (candidate, fit)
