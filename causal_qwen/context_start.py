@@ -250,7 +250,7 @@ def fit_context_values(model, rows: ContextRows, x: torch.Tensor, scale_u: torch
     chosen["width.weight"][0, :len(reading)] += reading
     _write_back(path, chosen, mean, to_coords)
     return {"context_rows": n, "context_nll_linear": baseline, "context_nll": best[0], "context_step": best[2],
-            "context_width_shift": shift.tolist(), "context_seed": best[3]}
+            "context_width_shift": shift.tolist(), "context_seed": best[3], "context_width_map": reading.tolist()}
 
 
 def _fit_from(small, loss, split, transform: str, noise: float) -> tuple[float, dict | None, int]:

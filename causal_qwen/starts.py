@@ -64,8 +64,9 @@ class ValueHeadFit:
     (‖Δw‖/‖w‖), the bias offset, and standard mode's num_f1 on those positions before and after; and for the
     context-value path (None without it, `context_start.fit_context_values`): its rows, the held-out value NLL of
     the linear read-out alone and of the path, the step it kept (0: the linear read-out alone, or in a refit the
-    path as it was) and the shift of its log-width per choice fitted on the held-out rows, and the seed of the
-    random start it kept.
+    path as it was) and the shift of its log-width per choice fitted on the held-out rows, the seed of the
+    random start it kept, and the map of the query's leading principal coordinates added to its log-width there
+    (one weight per coordinate; docs/math.md).
     """
 
     positions: int
@@ -83,6 +84,7 @@ class ValueHeadFit:
     context_step: int | None = None
     context_width_shift: list[float] | None = None
     context_seed: int | None = None
+    context_width_map: list[float] | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

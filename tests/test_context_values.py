@@ -674,7 +674,8 @@ def test_the_widths_calibration_reads_the_input(model):
     w, b = action.reg_head.weight.detach().double()[0], float(action.reg_head.bias)
     noise_scale = torch.where(kind, 0.5, 0.05).double()
     y = x @ w + b + noise_scale * torch.tan(math.pi * (torch.rand(n, generator=g, dtype=torch.float64) - 0.5))
-    fit_context_values(model, rows, x, scale_u, y, loo_residuals=y - x @ w - b)
+    fit = fit_context_values(model, rows, x, scale_u, y, loo_residuals=y - x @ w - b)
+    assert len(fit["context_width_map"]) == 4  # 200 held-out rows: the four leading coordinates
 
     path = model.abduction.context_values
     with torch.no_grad():
