@@ -569,22 +569,30 @@ def test_the_starts_fit_reads_only_the_context_slots_some_row_fills():
         torch.testing.assert_close(padded, filled, rtol=1e-12, atol=1e-12)
 
 
+def _rows_without_numbers(queries: torch.Tensor):
+    """The path's start rows of queries `[N, H]` with no earlier number (two empty slots each)."""
+    from causal_qwen.context_start import ContextRows
+
+    rows = ContextRows()
+    for query in queries:
+        rows.queries.append(query)
+        rows.keys.append(torch.zeros(2, 2 * queries.shape[1]))
+        rows.values.append(torch.zeros(2, dtype=torch.float64))
+        rows.present.append(torch.zeros(2, dtype=torch.bool))
+    return rows
+
+
 def test_the_widths_are_calibrated_on_the_readouts_leave_one_out_residuals(model):
     """The held-out rows that calibrate the widths were fitted by the read-out too: its residuals there are in-sample,
     and on 128 one-number completions of real tables they narrowed the 50% intervals to cover 0.19 of the test
     targets. So the calibration reads the read-out's leave-one-out residuals. Rows without an earlier number leave
     the value to the read-out (π_0 = 1, ρ = exp(shift)), and its shift then has a closed check: the float64 minimiser,
     found on a fine grid, of the Cauchy NLL of those residuals on every fifth row."""
-    from causal_qwen.context_start import ContextRows, fit_context_values
+    from causal_qwen.context_start import fit_context_values
 
     g = torch.Generator().manual_seed(3)
     n, hidden = 100, model.config.hidden_size
-    rows = ContextRows()
-    for _ in range(n):
-        rows.queries.append(torch.randn(hidden, generator=g))
-        rows.keys.append(torch.zeros(2, 2 * hidden))
-        rows.values.append(torch.zeros(2, dtype=torch.float64))
-        rows.present.append(torch.zeros(2, dtype=torch.bool))
+    rows = _rows_without_numbers(torch.randn(n, hidden, generator=g))
     action = model.action
     channels = action.reg_head.weight.shape[1]
     x = torch.randn(n, channels, generator=g, dtype=torch.float64)
@@ -653,7 +661,7 @@ def test_the_widths_calibration_reads_the_input(model):
     noise of scales 0.05 and 0.5: the calibrated interval of each kind has the scale of its own noise (the Cauchy
     NLL's minimiser), not one width between them. Rows without an earlier number leave the value to the read-out, so
     the scale of the value is |w_reg|·scale_U' + γ_Y·ρ, which the check computes from the written path in float64."""
-    from causal_qwen.context_start import ContextRows, fit_context_values
+    from causal_qwen.context_start import fit_context_values
 
     g = torch.Generator().manual_seed(5)
     n, hidden = 1000, model.config.hidden_size
@@ -661,12 +669,7 @@ def test_the_widths_calibration_reads_the_input(model):
     direction = torch.zeros(hidden)
     direction[0] = 1.0
     queries = 0.1 * torch.randn(n, hidden, generator=g) + 3.0 * torch.where(kind, 1.0, -1.0)[:, None] * direction
-    rows = ContextRows()
-    for query in queries:
-        rows.queries.append(query)
-        rows.keys.append(torch.zeros(2, 2 * hidden))
-        rows.values.append(torch.zeros(2, dtype=torch.float64))
-        rows.present.append(torch.zeros(2, dtype=torch.bool))
+    rows = _rows_without_numbers(queries)
     action = model.action
     channels = action.reg_head.weight.shape[1]
     x = torch.randn(n, channels, generator=g, dtype=torch.float64)
@@ -729,8 +732,15 @@ def test_a_path_is_kept_only_where_it_beats_the_read_out_on_the_rows_as_read(mod
         return candidate["nll"], {k: v.clone() for k, v in small.state_dict().items()}, 1
 
     monkeypatch.setattr(context_start, "_fit_from", always_copy)
-    fit = fit_context_values(model, rows, x, torch.full((n, channels), 1e-4, dtype=torch.float64), y, starts=1)
+    scale_u = torch.full((n, channels), 1e-4, dtype=torch.float64)
+    fit = fit_context_values(model, rows, x, scale_u, y, starts=1)
     assert candidate["nll"] < fit["context_nll_linear"], (candidate, fit)
+    # The read-out's held-out NLL on the rows as read, in float64: its location and its scale with ρ = 1.
+    held = torch.arange(n) % 5 == 0
+    scale = ((scale_u + action.b_noise.detach().double().abs()) @ w.abs() + float(action.reg_log_noise.exp()))
+    scale = scale.clamp(min=model.config.scale_min)[held]
+    read_out = float((torch.log(math.pi * scale) + torch.log1p(((y - loc)[held] / scale) ** 2)).mean())
+    assert (candidate["nll_as_read"] < read_out) == (copies_every == 1), (candidate, read_out)
     linear_only = float(model.abduction.context_values.choice.bias[0]) == LINEAR_ONLY_SCORE
     if copies_every == 1:
         assert fit["context_nll"] == candidate["nll"] and not linear_only, (candidate, fit)
