@@ -32,13 +32,14 @@ import run_experiment as experiment  # noqa: E402
 
 from causal_qwen import CausalQwenTokenizer  # noqa: E402
 from causal_qwen.cauchy import untransform_values  # noqa: E402
+from causal_qwen.context_start import _coordinates  # noqa: E402
 from causal_qwen.context_values import log_of_values  # noqa: E402
 
 
 def principal(points: torch.Tensor, dims: int) -> tuple[torch.Tensor, torch.Tensor]:
-    mean = points.mean(0)
-    _, s, vh = torch.linalg.svd(points - mean, full_matrices=False)
-    return mean, vh[:dims].T / (s[:dims] / (len(points) - 1) ** 0.5)
+    """The start's standardised principal coordinates of `points` `[N, H]` alone: `(mean, map)`."""
+    no_keys = points.new_zeros(len(points), 0, points.shape[1])
+    return _coordinates(points, no_keys, torch.zeros(len(points), 0, dtype=torch.bool), dims)
 
 
 def stacked(rows: dict) -> tuple[torch.Tensor, ...]:
