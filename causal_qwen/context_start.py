@@ -7,10 +7,9 @@ left them: the locations by the mean absolute error of the value (Adam, keeping 
 rows), then the widths by the value's Cauchy NLL (the regression loss of docs/design.md §4) with the locations fixed.
 It writes the result back into the model's path as maps of z (a map of the coordinates is a map of z). Where the path
 does not beat the linear read-out alone on the held-out NLL, it starts as the linear read-out (the copies and
-combinations at weight ≈ 0, ρ = 1), and the record says so. Between the locations and the widths, the choice alone is
-fitted again by the likelihood of a mixture of the candidates (`_fit_choice`). Its widths are then calibrated on the
-held-out rows (`_calibrate_width`). The rows whose target is a copy of an earlier number are fitted (and held out)
-again at other scales (`_with_scaled_copies`), so that the choice of a copy does not lean on the read-out.
+combinations at weight ≈ 0, ρ = 1), and the record says so. Its widths are then calibrated on the held-out rows
+(`_calibrate_width`). The rows whose target is a copy of an earlier number are fitted (and held out) again at other
+scales (`_with_scaled_copies`), so that the choice of a copy does not lean on the read-out.
 
 The rows are the positions whose next label is `<NUM>` (the value head's rows), each with the features and the
 values of the `<NUM>` tokens of its text up to it (the latest `max_context`), and the features of the position
@@ -39,9 +38,6 @@ _LEARNING_RATE = 1e-2
 _STARTS = 3  # random starts of the fit; the best on the held-out rows is kept
 _HELD_OUT_EVERY = 5  # every fifth row is held out to choose the step and to calibrate the width
 _MIN_CALIBRATION_ROWS = 20  # fewer held-out rows leave the widths as fitted
-# The width, in the head's space, of each candidate's Cauchy in the mixture that fits the choice (`_fit_choice`):
-# about 2% of a value in symlog space.
-_CHOICE_TOLERANCE = 0.02
 # The rows whose target is a copy of an earlier number (within this relative distance) are fitted again with every
 # value times each of these scales (`_with_scaled_copies`).
 _COPY_TOLERANCE = 0.02
@@ -285,65 +281,11 @@ def _fit_from(small, loss, split, transform: str, noise: float) -> tuple[float, 
     if best[1] is None:
         return best
     small.load_state_dict(best[1])
-    _fit_choice(small, split, transform, noise, float(absolute_error(True).detach()), absolute_error)
-    best = (best[0], _state(small), best[2])
     with torch.no_grad():
         located_nll = float(loss(small, True))
     widened = _descend(small, widths, lambda held_out: loss(small, held_out), located_nll)
     state = widened[1] if widened[1] is not None else best[1]  # the located state, whose NLL this is
     return min(widened[0], located_nll), state, best[2]
-
-
-_ALONE = ("linear", "copies", "log", "raw", "mean")  # the order of π̄
-
-
-def _candidate_values(small, transform: str, rows: _Rows, noise: float) -> torch.Tensor:
-    """Each candidate's value at `rows`, the location with the choice made for it alone: `[N, 5]` in the order of
-    π̄ (the read-out, the copies as the pointer weighs them, the log- and raw-space combinations, the mean)."""
-    saved = _state(small)
-    columns = []
-    with torch.no_grad():
-        small.choice.weight.zero_()
-        for alone in _ALONE:
-            bias = torch.full_like(small.choice.bias, -1e3)  # all others' weight e^-1000 = 0; -1e3 each: copies
-            if alone != "copies":
-                bias[_ALONE.index(alone) - (alone != "linear")] = 1e3
-            small.choice.bias.copy_(bias)
-            columns.append(_value(small, transform, rows, noise)[0])
-    small.load_state_dict(saved)
-    return torch.stack(columns, -1)
-
-
-def _fit_choice(small, split: dict, transform: str, noise: float, error: float, absolute_error) -> None:
-    """Fit the choice's map (`choice`) alone, the candidates as they are, by the NLL of the mixture
-    Σ_k π̄_k·Cauchy(target; value_k, `_CHOICE_TOLERANCE`) on the fitted rows, keeping the step of least mixture NLL on
-    the held-out rows; kept in `small` only where it lowers the held-out locations' absolute error (`error` before).
-
-    The locations' absolute error rewards a candidate only as much as it moves the blend, and a candidate that is
-    exact on a few rows (the mean of the numbers at an average: 30 of 2,846 rows on the corpus and the tables) moves
-    the held-out error too little to be chosen before the fit stops: the mean's weight stayed 0.00 at the corpus's
-    averages. In the mixture, a candidate within the tolerance of the target takes the row whatever the others do
-    (docs/experiments.md, "The mean of the earlier numbers")."""
-    values = {part: _candidate_values(small, transform, rows, noise) for part, rows in split.items()}
-    saved = _state(small)
-
-    def mixture(held_out: bool) -> torch.Tensor:
-        rows = split[held_out]
-        share = _read(small, transform, rows).choice[:, 0]
-        residual = (rows.target[:, None] - values[held_out]) / _CHOICE_TOLERANCE
-        # A candidate absent at a row (the combinations without an earlier number) has weight 0 and no log.
-        density = share.clamp(min=torch.finfo(share.dtype).tiny).log() - torch.log1p(residual ** 2)
-        return -torch.logsumexp(density, -1).mean()
-
-    with torch.no_grad():
-        baseline = float(mixture(True))
-    fitted = _descend(small, [small.choice.weight, small.choice.bias], mixture, baseline)[1]
-    if fitted is not None:
-        small.load_state_dict(fitted)
-        with torch.no_grad():
-            if float(absolute_error(True)) < error:
-                return
-    small.load_state_dict(saved)
 
 
 def _descend(small, params: list, objective, baseline: float) -> tuple[float, dict | None, int]:
@@ -369,8 +311,8 @@ def _descend(small, params: list, objective, baseline: float) -> tuple[float, di
 def _calibrate_width(small, transform, held_out: _Rows, noise: float,
                      floor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """A shift of log ρ for the read-out's share of the choice and one for the path's (added to `width_by_choice`,
-    the path's entries alike), and a map of the query's leading principal coordinates (added to the width's
-    map `a`), that minimise the value's NLL on the held-out rows: `(shift [5], map [dims])`.
+    the path's three entries alike), and a map of the query's leading principal coordinates (added to the width's
+    map `a`), that minimise the value's NLL on the held-out rows: `(shift [4], map [dims])`.
 
     The path's locations and widths are fitted on the same rows, where its errors are smaller than on new text, so
     its widths come out narrow: 50% intervals covered about a quarter of the test targets on Qwen2.5-0.5B. The Cauchy

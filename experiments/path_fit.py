@@ -90,7 +90,7 @@ def context_rows(saved: dict) -> ContextRows:
 @torch.no_grad()
 def predict(model, saved: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The value's `(median, loc_Y, scale_Y)` at each saved row, through the model's read-out and path (float64),
-    and the path's choice π̄ = (π_0, Σ_j π_j, π_ℓ, π_r, π_μ) `[N, 5]`."""
+    and the path's choice π̄ = (π_0, Σ_j π_j, π_ℓ, π_r) `[N, 4]`."""
     action, config = model.action, model.config
     path = copy.deepcopy(model.abduction.context_values).double()
     queries, keys, values, present = context_rows(saved).stacked(len(saved["y"]))
@@ -271,7 +271,7 @@ def main() -> None:
             print(f"  {split}: {cells}; mean {statistics.fmean(m['per_template'].values()):.3f}, pooled "
                   f"{m['pooled']:.3f}, coverage {m['coverage'][0]:.2f} / {m['coverage'][1]:.2f}", flush=True)
             if args.choices:
-                print("    mean choice (read-out, copies, log, raw, mean): " + "; ".join(
+                print("    mean choice (read-out, copies, log, raw): " + "; ".join(
                     f"{k} " + "/".join(f"{p:.2f}" for p in v) for k, v in m["choice"].items()), flush=True)
 
 
