@@ -6,24 +6,18 @@ the `<NUM>` tokens j ≤ t of the same sequence (y = T(v), T the `value_transfor
 - a copy of each y_j, weighted by a pointer (rank-r scores of z_t and of the key k_j below);
 - a log-space combination ℓ_t = Σ_j b_tj·L(v_j) (products, ratios, rates, powers), as the value L⁻¹(ℓ_t), where L is
   symlog and L⁻¹ symexp by default, or ln|v| (0 for v = 0) and exp (`context_values_log="log"`);
-- a raw-space combination r_t = Σ_j c_tj·v_j (sums, differences, unit factors), as the value r_t;
-- the mean of the earlier values ū_t = (1/n_t)·Σ_j v_j (n_t of them), as the value ū_t;
+- a raw-space combination r_t = Σ_j c_tj·v_j (sums, differences, averages, unit factors), as the value r_t;
 
-with b_tj, c_tj rank-r bilinear weights of z_t and k_j. One softmax over the linear read-out, the copies, the two
-combinations and the mean gives their weights π (the linear read-out is the pointer's sink: with no earlier number
-π_0 = 1). The value stays Cauchy given the context, the action network's linear law weighted by π_0:
+with b_tj, c_tj rank-r bilinear weights of z_t and k_j. One softmax over the linear read-out, the copies and the two
+combinations gives their weights π (the linear read-out is the pointer's sink: with no earlier number π_0 = 1). The
+value stays Cauchy given the context, the action network's linear law weighted by π_0:
 
-    loc_Y = π_0·(w_reg·loc_U + b_reg) + m_t,  m_t = Σ_j π_j·y_j + π_ℓ·T(L⁻¹(ℓ_t)) + π_r·T(r_t) + π_μ·T(ū_t)
+    loc_Y = π_0·(w_reg·loc_U + b_reg) + m_t,  m_t = Σ_j π_j·y_j + π_ℓ·T(L⁻¹(ℓ_t)) + π_r·T(r_t)
     scale_Y = π_0·|w_reg|·scale_U' + γ_Y·ρ_t,  ρ_t = exp(a·z_t + β·π̄_t) > 0
 
-where π̄_t = (π_0, Σ_j π_j, π_ℓ, π_r, π_μ): the width of the value's own noise depends on the input and on what the path
+where π̄_t = (π_0, Σ_j π_j, π_ℓ, π_r): the width of the value's own noise depends on the input and on what the path
 chose, so a copy can get a narrow interval and a guess a wide one. With no earlier number and a, β at 0 this is the
 model without the path exactly.
-
-Why a mean of its own: an average is a raw-space combination of weights 1/n_t, which a rank-r bilinear weight writes
-only where the query knows n_t, and a soft copy averages in the head's space (symlog: a geometric mean, 0.35 off on
-the corpus's averages); the mean is exact for any n_t and at any scale (docs/experiments.md, "The mean of the
-earlier numbers"). The choice decides where it applies.
 
 Which log: a product is a sum of logarithms, ln(p·q) = ln p + ln q, but symlog(p·q) is not a sum of symlogs where a
 factor is small (ln 3 for q = 2 against ln 2), so with symlog no weights write a price times a quantity of 2 to 9, or
@@ -57,9 +51,9 @@ from .configuration import CONTEXT_VALUES_LOGS
 from .migrations import upgrade_state_dict
 
 # The scores of the candidates that are not copies, in this order, and the score each starts from: the linear
-# read-out at 0, the others well below it, so that a start from data moves them only where they help.
-CANDIDATES = ("linear", "log", "raw", "mean")
-_START_SCORES = (0.0, -4.0, -4.0, -4.0)
+# read-out at 0, the two combinations well below it, so that a start from data moves them only where they help.
+CANDIDATES = ("linear", "log", "raw")
+_START_SCORES = (0.0, -4.0, -4.0)
 # The linear read-out's score where the path is to leave the value to it: every other candidate below e^-40.
 LINEAR_ONLY_SCORE = 40.0
 # A log-space combination beyond this is past float64's range once exponentiated.
@@ -82,7 +76,7 @@ class ContextRead:
     # path out of the graph, and data-parallel and sharding engines wait for a gradient of every trainable parameter
     # (exactly 0 here).
     in_graph: torch.Tensor | float = 0.0
-    # π̄_t = (π_0, Σ_j π_j, π_ℓ, π_r, π_μ) `[B, S, 5]`, what the width ρ_t reads of the choice.
+    # π̄_t = (π_0, Σ_j π_j, π_ℓ, π_r) `[B, S, 4]`, what the width ρ_t reads of the choice.
     choice: torch.Tensor | None = None
 
     def apply(
@@ -110,8 +104,7 @@ def _saturated(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class CausalQwenContextValues(nn.Module):
-    """The pointer, the two combinations and the mean over the earlier `<NUM>` values, and the width ρ (module
-    docstring)."""
+    """The pointer and the two combinations over the earlier `<NUM>` values, and the width ρ (module docstring)."""
 
     def __init__(self, hidden_size: int, rank: int, log_values: str = "symlog"):
         super().__init__()
@@ -251,7 +244,7 @@ class CausalQwenContextValues(nn.Module):
         visible: torch.Tensor,
         value_transform: str,
     ) -> ContextRead:
-        """The read of queries `[B, T, H]` over keys `[B, L, 3r]` and entries `[B, L, 4]`, `visible` `[B, T, L]`."""
+        """The read of queries `[B, T, H]` over keys `[B, L, 3r]` and entries `[B, L, 3]`, `visible` `[B, T, L]`."""
         r = self.rank
         q = self.query(queries).double()
         copy_q, log_q, raw_q = q.split(r, dim=-1)
@@ -260,22 +253,18 @@ class CausalQwenContextValues(nn.Module):
         copy_scores = (copy_q @ copy_k.transpose(1, 2) * r ** -0.5).masked_fill(~visible, float("-inf"))
         any_visible = visible.any(-1)
         choice = self.choice(queries).double()
-        # The combinations and the mean exist only where there is an earlier number: without one the read is the
-        # linear law's.
+        # The combinations exist only where there is an earlier number: without one the read is the linear law's.
         choice = torch.cat((choice[..., :1], choice[..., 1:].masked_fill(~any_visible[..., None], float("-inf"))), -1)
         weights = torch.cat((choice, copy_scores), -1).softmax(-1)
-        linear, log_weight, raw_weight, mean_weight = weights[..., :4].unbind(-1)
-        copies = weights[..., 4:]
+        linear, log_weight, raw_weight, copies = weights[..., 0], weights[..., 1], weights[..., 2], weights[..., 3:]
         mask = visible.double()
-        mean = (mask @ v[..., None]).squeeze(-1) / mask.sum(-1).clamp(min=1.0)
         log_combination = ((log_q @ log_k.transpose(1, 2)) * mask) @ log_of_values(v, self.log_values)[..., None]
         raw_combination = ((raw_q @ raw_k.transpose(1, 2)) * mask) @ v[..., None]
         offset = (copies * mask) @ y[..., None]
         offset = offset.squeeze(-1)
         offset = offset + log_weight * _log_candidate(log_combination.squeeze(-1), value_transform, self.log_values)
         offset = offset + raw_weight * transform_values(raw_combination.squeeze(-1), value_transform)
-        offset = offset + mean_weight * transform_values(mean, value_transform)
-        summary = torch.stack((linear, copies.sum(-1), log_weight, raw_weight, mean_weight), -1)
+        summary = torch.stack((linear, copies.sum(-1), log_weight, raw_weight), -1)
         raw_width = self.width(queries).double().squeeze(-1)
         # Bounded: a width map fitted on the value rows can reach far past them at other positions, and exp of it
         # would be inf there, with a NaN gradient through a loss that does not read those positions.

@@ -8,9 +8,6 @@ the module that owns the tensor), which do not share a hook.
   parameter).
 - `abduction.context_values.key_before.weight` (K', the keys' read of the position before each number) is new: a
   checkpoint without it reads it as 0, which is the path it saved.
-- The path's choice gained a candidate, the mean of the earlier values: `choice.weight` `[3, H]` → `[4, H]`,
-  `choice.bias` `[3]` → `[4]` and `width_by_choice` `[4]` → `[5]`. A checkpoint without it reads the new entries as
-  0, with the mean's score at −10⁴, whose weight in the softmax (computed in float64) is exactly 0: the path it saved.
 """
 
 from __future__ import annotations
@@ -19,27 +16,12 @@ import torch
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, WeightConverter
 
-__all__ = ["ADDED_AS_ZEROS", "GROWN", "register_checkpoint_conversions", "upgrade_state_dict"]
+__all__ = ["ADDED_AS_ZEROS", "register_checkpoint_conversions", "upgrade_state_dict"]
 
 # Tensors saved 0-dim by earlier versions that are [1] vectors now: (owning module in the model, tensor name).
 _VECTORS_OF_ONE = (("action", "reg_log_noise"),)
 # Tensors that earlier versions did not have, whose value 0 gives the model they saved: (owning module, tensor name).
 ADDED_AS_ZEROS = (("context_values", "key_before.weight"),)
-# Tensors that gained entries along their first dimension: (owning module, tensor name, entries now, the value of a
-# new entry in a checkpoint without it).
-GROWN = (
-    ("context_values", "choice.weight", 4, 0.0),
-    ("context_values", "choice.bias", 4, -1e4),
-    ("context_values", "width_by_choice", 5, 0.0),
-)
-
-
-def _grown(tensor: torch.Tensor, entries: int, fill: float) -> torch.Tensor:
-    """`tensor` with entries of `fill` appended along its first dimension up to `entries` (as it is if it has them)."""
-    missing = entries - tensor.shape[0]
-    if missing <= 0:
-        return tensor
-    return torch.cat((tensor, tensor.new_full((missing, *tensor.shape[1:]), fill)))
 
 
 class _VectorOfOne(ConversionOps):
@@ -56,29 +38,10 @@ class _VectorOfOne(ConversionOps):
         return _VectorOfOne()
 
 
-class _Grown(ConversionOps):
-    """Load a tensor of `GROWN` written before it gained its entries with them appended."""
-
-    def __init__(self, entries: int, fill: float):
-        self.entries, self.fill = entries, fill
-
-    @torch.no_grad()
-    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
-        (tensors,) = input_dict.values()
-        tensor = tensors[0] if isinstance(tensors, list) else tensors
-        return {target_patterns[0]: _grown(tensor, self.entries, self.fill)}
-
-    @property
-    def reverse_op(self) -> ConversionOps:
-        return _Grown(self.entries, self.fill)  # a saved tensor has its entries: as it is
-
-
 def register_checkpoint_conversions(model_class_name: str) -> None:
     """Register the conversions of `from_pretrained` for the model class of that name."""
     converters = [WeightConverter(f"{module}.{name}", f"{module}.{name}", operations=[_VectorOfOne()])
                   for module, name in _VECTORS_OF_ONE]
-    converters += [WeightConverter(f"{module}.{name}", f"{module}.{name}", operations=[_Grown(entries, fill)])
-                   for module, name, entries, fill in GROWN]
     register_checkpoint_conversion_mapping(model_class_name, converters, overwrite=True)
 
 
@@ -90,10 +53,6 @@ def upgrade_state_dict(module_name: str, state_dict: dict, prefix: str, module: 
         key = prefix + name
         if owner == module_name and holds_module and key not in state_dict:
             state_dict[key] = torch.zeros_like(module.get_parameter(name))
-    for owner, name, entries, fill in GROWN:
-        key = prefix + name
-        if owner == module_name and key in state_dict:
-            state_dict[key] = _grown(state_dict[key], entries, fill)
     for owner, name in _VECTORS_OF_ONE:
         key = prefix + name
         if owner == module_name and key in state_dict and state_dict[key].dim() == 0:
