@@ -239,6 +239,46 @@ def test_features_that_train_worse_than_the_start_are_restored(tiny_qwen, tmp_pa
     assert not torch.equal(model.numeric_embedding.w_num, at_start["w_num"])
 
 
+def test_restored_features_come_back_with_the_start_path(tiny_qwen, tmp_path):
+    """Where the trained features are restored, the start's context-value path comes back with them before the value
+    side is fitted again: a refit fits the path from where it is, and from the path fitted to the trained features
+    it can land in a minimum worse than the start's."""
+    train = related(256, seed=1)
+    model = fresh(tiny_qwen, context_values=True)
+    path = model.abduction.context_values
+    seen: dict = {"refits": []}
+
+    def state() -> dict[str, torch.Tensor]:
+        return {name: param.detach().clone() for name, param in path.named_parameters()}
+
+    class Scramble(TrainerCallback):
+        def on_step_begin(self, args, state_, control, model=None, **kwargs):
+            seen.setdefault("start", state())
+
+        def on_step_end(self, args, state_, control, model=None, **kwargs):
+            if state_.global_step == state_.max_steps:
+                with torch.no_grad():
+                    model.abduction.loc_net.weight.zero_()
+
+    trainer = CausalQwenTrainer(model=model, args=args(tmp_path, 6), train_dataset=train,
+                                data_collator=CausalQwenDataCollator(0), callbacks=[Scramble()],
+                                train_value_features=True)
+    refit = trainer.value_head_start._refit
+
+    def recording_refit(model, step):
+        before = state()
+        refit(model, step)
+        seen["refits"].append((before, state()))
+
+    trainer.value_head_start._refit = recording_refit
+    trainer.train()
+    assert trainer.value_head_start.kept_trained_features is False
+    (_, fitted_to_trained), (restored, _) = seen["refits"]  # the refit on the trained features, then the restore's
+    assert any(not torch.equal(value, seen["start"][name]) for name, value in fitted_to_trained.items())
+    for name, value in seen["start"].items():
+        torch.testing.assert_close(restored[name], value, rtol=0, atol=0)
+
+
 def test_too_few_held_out_values_make_no_check_and_keep_the_trained_features(tiny_qwen, tmp_path, caplog):
     """40 texts give the path 80 rows, of which 16 are held out: too few to tell trained features from the start's
     (the path's fit on so few rows varies more than their difference), so even features as bad as the ones of the
