@@ -438,7 +438,8 @@ def _feature_parameters(model) -> list[tuple[str, nn.Parameter]]:
 def _path_parameters(model) -> list[tuple[str, nn.Parameter]]:
     """The context-value path's parameters. They come back with the start's features: a refit fits the path again
     from where it is, and from the path fitted to the trained features it landed in a minimum that predicted the
-    start's features' held-out values worse than the start's path did (NLL 1.30 against 1.25 on a tiny model)."""
+    start's features' held-out values worse than the start's path did (NLL 1.30 against 1.25 on a tiny model with
+    the mean of the earlier numbers as a candidate, docs/experiments.md)."""
     return [(name, param) for name, param in model.named_parameters() if ".context_values." in f".{name}"]
 
 
