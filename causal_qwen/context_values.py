@@ -280,7 +280,13 @@ class CausalQwenContextValues(nn.Module):
         linear, log_weight, raw_weight, mean_weight = weights[..., :4].unbind(-1)
         copies = weights[..., 4:]
         mask = visible.double()
-        mean = (mask @ v[..., None]).squeeze(-1) / mask.sum(-1).clamp(min=1.0)
+        count = mask.sum(-1).clamp(min=1.0)
+        mean = (mask @ v[..., None]).squeeze(-1) / count
+        # Values near float64's limit (a generated number clamped there) sum to inf, and inf times a weight of
+        # exactly 0 (the mean of a checkpoint without it) is NaN: there each value is divided before the sum.
+        limit = torch.finfo(torch.float64).max
+        divided = ((mask / count[..., None]) @ v[..., None]).squeeze(-1).clamp(-limit, limit)
+        mean = torch.where(mean.isfinite(), mean, divided)
         log_combination = ((log_q @ log_k.transpose(1, 2)) * mask) @ log_of_values(v, self.log_values)[..., None]
         raw_combination = ((raw_q @ raw_k.transpose(1, 2)) * mask) @ v[..., None]
         offset = (copies * mask) @ y[..., None]
