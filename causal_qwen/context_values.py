@@ -317,7 +317,8 @@ def _read_added_as_before(path: CausalQwenContextValues, incompatible_keys) -> N
 
     After the load rather than as a pre-hook that adds the tensors to the state dict: under ZeRO-3, transformers runs
     a module's `_load_from_state_dict` on one rank only and gathers the parameters of the keys each rank holds, so a
-    key added on one rank deadlocks the others. `from_pretrained` fills them by `_init_weights` instead."""
+    key added on one rank makes that rank's gather differ from the others' and the collective fails.
+    `from_pretrained` fills them by `_init_weights` instead."""
     prefix = getattr(path, "_loading_prefix", "")
     start = None
     for owner, name in ADDED:
