@@ -7,9 +7,10 @@ left them: the locations by the mean absolute error of the value (Adam, keeping 
 rows), then the widths by the value's Cauchy NLL (the regression loss of docs/design.md §4) with the locations fixed.
 It writes the result back into the model's path as maps of z (a map of the coordinates is a map of z). Where the path
 does not beat the linear read-out alone on the held-out NLL, it starts as the linear read-out (the copies and
-combinations at weight ≈ 0, ρ = 1), and the record says so. Its widths are then calibrated on the held-out rows
-(`_calibrate_width`). The rows whose target is a copy of an earlier number are fitted (and held out) again at other
-scales (`_with_scaled_copies`), so that the choice of a copy does not lean on the read-out.
+combinations at weight ≈ 0, ρ = 1), and the record says so. Between the locations and the widths, the choice alone is
+fitted again by the likelihood of a mixture of the candidates (`_fit_choice`). Its widths are then calibrated on the
+held-out rows (`_calibrate_width`). The rows whose target is a copy of an earlier number are fitted (and held out)
+again at other scales (`_with_scaled_copies`), so that the choice of a copy does not lean on the read-out.
 
 The rows are the positions whose next label is `<NUM>` (the value head's rows), each with the features and the
 values of the `<NUM>` tokens of its text up to it (the latest `max_context`), and the features of the position
@@ -24,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from .cauchy import nll, transform_values, untransform_values
-from .context_values import LINEAR_ONLY_SCORE, MAX_LOG_WIDTH, CausalQwenContextValues, entry_values
+from .context_values import CANDIDATES, LINEAR_ONLY_SCORE, MAX_LOG_WIDTH, CausalQwenContextValues, entry_values
 
 __all__ = ["ContextRows", "fit_context_values", "held_out_rows"]
 
@@ -38,6 +39,11 @@ _LEARNING_RATE = 1e-2
 _STARTS = 3  # random starts of the fit; the best on the held-out rows is kept
 _HELD_OUT_EVERY = 5  # every fifth row is held out to choose the step and to calibrate the width
 _MIN_CALIBRATION_ROWS = 20  # fewer held-out rows leave the widths as fitted
+# The mean of the earlier values is the target where it is within this distance of it in the head's space (about 2%
+# of a value in symlog space), and its score is fitted to say so (`_fit_choice`), kept where the held-out error of the
+# other rows rises by at most `_CHOICE_SLACK` of itself.
+_CHOICE_TOLERANCE = 0.02
+_CHOICE_SLACK = 0.02
 # The rows whose target is a copy of an earlier number (within this relative distance) are fitted again with every
 # value times each of these scales (`_with_scaled_copies`).
 _COPY_TOLERANCE = 0.02
@@ -239,18 +245,20 @@ def fit_context_values(model, rows: ContextRows, x: torch.Tensor, scale_u: torch
     small = start(0)
     chosen = linear_only.state_dict() if best[1] is None else best[1]
     small.load_state_dict(chosen)
-    shift = torch.zeros_like(chosen["width_by_choice"])
+    shift = torch.zeros(len(CANDIDATES) + 1, dtype=torch.float64)  # per entry of π̄
     reading = torch.zeros(0, dtype=torch.float64)
     if noise > 0 and int(held.sum()) >= _MIN_CALIBRATION_ROWS:
         if loo_residuals is not None:  # the read-out's locations as it predicts rows it was not fitted on
             calibration = calibration._replace(loc_linear=(y - loo_residuals[:n].double())[held])
         shift, reading = _calibrate_width(small, transform, calibration, noise, floor)
-    chosen["width_by_choice"] = chosen["width_by_choice"] + shift
+    chosen["width_by_choice"] = chosen["width_by_choice"] + shift[:-1]
+    chosen["mean_width"] = chosen["mean_width"] + shift[-1:]
     chosen["width.weight"] = chosen["width.weight"].clone()
     chosen["width.weight"][0, :len(reading)] += reading
     _write_back(path, chosen, mean, to_coords)
     return {"context_rows": n, "context_nll_linear": baseline, "context_nll": best[0], "context_step": best[2],
-            "context_width_shift": shift.tolist(), "context_seed": best[3], "context_width_map": reading.tolist()}
+            "context_width_shift": shift.tolist(), "context_seed": best[3], "context_width_map": reading.tolist(),
+            "context_nll_before": as_it_is[0] if from_current else None}
 
 
 def _fit_from(small, loss, split, transform: str, noise: float) -> tuple[float, dict | None, int]:
@@ -266,7 +274,7 @@ def _fit_from(small, loss, split, transform: str, noise: float) -> tuple[float, 
     # The locations first, by their own loss (the median's): fitted by the NLL with the widths, a wider interval paid
     # for a half-made choice, and the choice between the read-out and a copy stayed soft. Then the widths by the NLL,
     # the locations fixed (docs/experiments.md has the table that chose this).
-    widths = [small.width.weight, small.width.bias, small.width_by_choice]
+    widths = [small.width.weight, small.width.bias, small.width_by_choice, small.mean_width]
     located = [p for p in small.parameters() if all(p is not w for w in widths)]
     # The combinations' weight on a number reads its role, the words before it (K'·z_{j−1} + b_K), not its own
     # features, which carry its size: with K·z_j in them the repeat at unseen scales missed by 0.72-0.81 over three
@@ -281,11 +289,75 @@ def _fit_from(small, loss, split, transform: str, noise: float) -> tuple[float, 
     if best[1] is None:
         return best
     small.load_state_dict(best[1])
+    _fit_choice(small, split, transform, noise)
+    best = (best[0], _state(small), best[2])
     with torch.no_grad():
         located_nll = float(loss(small, True))
     widened = _descend(small, widths, lambda held_out: loss(small, held_out), located_nll)
     state = widened[1] if widened[1] is not None else best[1]  # the located state, whose NLL this is
     return min(widened[0], located_nll), state, best[2]
+
+
+def _mean_value(rows: _Rows, transform: str) -> torch.Tensor:
+    """T(ū) `[N]`, the mean of each row's earlier values in the head's space (0 where there is none)."""
+    present = rows.present.double()
+    mean = (present * rows.entries[..., 1]).sum(-1) / present.sum(-1).clamp(min=1.0)
+    return transform_values(mean, transform)
+
+
+def _mean_labels(rows: _Rows, transform: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whether the mean of the earlier values is the target `[N]` (within `_CHOICE_TOLERANCE` in the head's space),
+    and whether the row tells it apart `[N]`: it has an earlier number, and the mean and an earlier value are not
+    both the target. Where one number is in view, or the mean of a few happens to equal one of them, the copies are
+    as right: such rows labelled either way would teach the mean's score what they do not show."""
+    near = (rows.entries[..., 0] - rows.target[:, None]).abs() <= _CHOICE_TOLERANCE
+    copy = (near & rows.present).any(-1)
+    mean = (_mean_value(rows, transform) - rows.target).abs() <= _CHOICE_TOLERANCE
+    return mean & ~copy, rows.present.any(-1) & ~(mean & copy)
+
+
+def _fit_choice(small, split: dict, transform: str, noise: float) -> None:
+    """Fit the mean's score alone (`mean_score`) so that its share π_μ says whether the mean of the earlier
+    values is the target (`_mean_labels`): the logistic loss of π_μ at the rows that tell it apart, keeping the
+    step of least loss on the held-out rows. Kept in `small` only where it lowers the held-out absolute error of the
+    value on the rows where the mean is the target and raises it on the others by at most `_CHOICE_SLACK` of itself.
+
+    The locations' absolute error rewards a candidate only as much as it moves the blend, and a candidate that is
+    exact on a few rows (an average: 30 of 2,846 rows on the corpus and the tables) moves the held-out error too
+    little to be chosen before the fit stops: the mean's weight stayed 0.00-0.02 at the corpus's averages. A fit of
+    the whole choice by a mixture of the candidates did choose it, but it also moved the read-out's share against the
+    copies' elsewhere and cost the real tables; moving the mean's score alone leaves the ratios of the other shares
+    as they were at every row (docs/experiments.md, "The mean of the earlier numbers")."""
+    column = 1 + CANDIDATES.index("mean")  # of π̄, after the copies' share
+    labels = {part: _mean_labels(rows, transform) for part, rows in split.items()}
+    exact = {part: label[0] for part, label in labels.items()}
+    has_mean = {part: label[1] for part, label in labels.items()}
+    if not bool(exact[False].any()):
+        return
+
+    def logistic(held_out: bool) -> torch.Tensor:
+        share = _read(small, transform, split[held_out]).choice[:, 0, column][has_mean[held_out]]
+        label = exact[held_out][has_mean[held_out]]
+        tiny = torch.finfo(share.dtype).tiny
+        return -torch.where(label, share.clamp(min=tiny).log(), (1 - share).clamp(min=tiny).log()).mean()
+
+    def errors() -> tuple[float, float]:
+        """The held-out absolute error where the mean is the target, and elsewhere."""
+        rows, label = split[True], exact[True]
+        error = (_value(small, transform, rows, noise)[0] - rows.target).abs()
+        return float(error[label].mean()) if label.any() else 0.0, float(error[~label].mean())
+
+    saved = _state(small)
+    with torch.no_grad():
+        baseline, before = float(logistic(True)), errors()
+    fitted = _descend(small, list(small.mean_score.parameters()), logistic, baseline)[1]
+    if fitted is not None:
+        small.load_state_dict(fitted)
+        with torch.no_grad():
+            after = errors()
+        if after[0] < before[0] and after[1] <= before[1] * (1 + _CHOICE_SLACK):
+            return
+    small.load_state_dict(saved)
 
 
 def _descend(small, params: list, objective, baseline: float) -> tuple[float, dict | None, int]:
@@ -311,15 +383,15 @@ def _descend(small, params: list, objective, baseline: float) -> tuple[float, di
 def _calibrate_width(small, transform, held_out: _Rows, noise: float,
                      floor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """A shift of log ρ for the read-out's share of the choice and one for the path's (added to `width_by_choice`,
-    the path's three entries alike), and a map of the query's leading principal coordinates (added to the width's
-    map `a`), that minimise the value's NLL on the held-out rows: `(shift [4], map [dims])`.
+    the path's entries alike), and a map of the query's leading principal coordinates (added to the width's
+    map `a`), that minimise the value's NLL on the held-out rows: `(shift [5], map [dims])`.
 
     The path's locations and widths are fitted on the same rows, where its errors are smaller than on new text, so
     its widths come out narrow: 50% intervals covered about a quarter of the test targets on Qwen2.5-0.5B. The Cauchy
     NLL of a scale is least where the residuals fall inside the 50% interval half the time, so shifts fitted on rows
     the locations never saw calibrate the intervals. Two, because a guess of the read-out and a reading of the
-    context miss by different amounts; not one per choice in π̄ = (π_0, Σ_j π_j, π_ℓ, π_r), because a choice that the
-    held-out rows hardly make has no residuals to fit, and its shift drifted to ±80 on the tiny model of
+    context miss by different amounts; not one per choice in π̄ = (π_0, Σ_j π_j, π_ℓ, π_r, π_μ), because a choice
+    that the held-out rows hardly make has no residuals to fit, and its shift drifted to ±80 on the tiny model of
     tests/test_keep_start.py, which then misjudged the width wherever that choice was made.
 
     The map, because rows of different kinds miss by different amounts whatever they chose: with the two shifts alone
@@ -363,7 +435,7 @@ def _read_back(path: CausalQwenContextValues, small: CausalQwenContextValues, me
     [`_write_back`] on the span of the coordinates (W·z + b = W·(mean + c·pinv(to_coords)) + b)."""
     from_coords = torch.linalg.pinv(to_coords).T  # [H, d]
     state = {name: tensor.detach().double().cpu() for name, tensor in path.state_dict().items()}
-    for name in ("query", "key", "choice", "width"):
+    for name in ("query", "key", "choice", "mean_score", "width"):
         weight = state[f"{name}.weight"]
         state[f"{name}.bias"] = state[f"{name}.bias"] + weight @ mean
         state[f"{name}.weight"] = weight @ from_coords
@@ -379,7 +451,7 @@ def _write_back(path: CausalQwenContextValues, small: dict, mean: torch.Tensor, 
     (b − W·to_coordsᵀ·mean). The key's two maps share one bias: K·c_j + b + K'·c_{j−1} = (K·to_coordsᵀ)·z_j +
     (K'·to_coordsᵀ)·z_{j−1} + b − (K + K')·to_coordsᵀ·mean, so that K'·z_{j−1} is 0 where z_{j−1} is (before the
     text's start, padding), as the rows had it."""
-    for name in ("query", "key", "choice", "width"):
+    for name in ("query", "key", "choice", "mean_score", "width"):
         weight = small[f"{name}.weight"] @ to_coords.T
         bias = small[f"{name}.bias"] - weight @ mean
         if name == "key":
@@ -390,3 +462,4 @@ def _write_back(path: CausalQwenContextValues, small: dict, mean: torch.Tensor, 
         layer.weight.copy_(weight.to(layer.weight))
         layer.bias.copy_(bias.to(layer.bias))
     path.width_by_choice.copy_(small["width_by_choice"].to(path.width_by_choice))
+    path.mean_width.copy_(small["mean_width"].to(path.mean_width))

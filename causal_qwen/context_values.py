@@ -6,18 +6,26 @@ the `<NUM>` tokens j ≤ t of the same sequence (y = T(v), T the `value_transfor
 - a copy of each y_j, weighted by a pointer (rank-r scores of z_t and of the key k_j below);
 - a log-space combination ℓ_t = Σ_j b_tj·L(v_j) (products, ratios, rates, powers), as the value L⁻¹(ℓ_t), where L is
   symlog and L⁻¹ symexp by default, or ln|v| (0 for v = 0) and exp (`context_values_log="log"`);
-- a raw-space combination r_t = Σ_j c_tj·v_j (sums, differences, averages, unit factors), as the value r_t;
+- a raw-space combination r_t = Σ_j c_tj·v_j (sums, differences, unit factors), as the value r_t;
+- the mean of the earlier values ū_t = (1/n_t)·Σ_j v_j (n_t of them), as the value ū_t;
 
-with b_tj, c_tj rank-r bilinear weights of z_t and k_j. One softmax over the linear read-out, the copies and the two
-combinations gives their weights π (the linear read-out is the pointer's sink: with no earlier number π_0 = 1). The
-value stays Cauchy given the context, the action network's linear law weighted by π_0:
+with b_tj, c_tj rank-r bilinear weights of z_t and k_j. One softmax over the linear read-out, the copies, the two
+combinations and the mean gives their weights π (the linear read-out is the pointer's sink: with no earlier number
+π_0 = 1). The value stays Cauchy given the context, the action network's linear law weighted by π_0:
 
-    loc_Y = π_0·(w_reg·loc_U + b_reg) + m_t,  m_t = Σ_j π_j·y_j + π_ℓ·T(L⁻¹(ℓ_t)) + π_r·T(r_t)
+    loc_Y = π_0·(w_reg·loc_U + b_reg) + m_t,  m_t = Σ_j π_j·y_j + π_ℓ·T(L⁻¹(ℓ_t)) + π_r·T(r_t) + π_μ·T(ū_t)
     scale_Y = π_0·|w_reg|·scale_U' + γ_Y·ρ_t,  ρ_t = exp(a·z_t + β·π̄_t) > 0
 
-where π̄_t = (π_0, Σ_j π_j, π_ℓ, π_r): the width of the value's own noise depends on the input and on what the path
+where π̄_t = (π_0, Σ_j π_j, π_ℓ, π_r, π_μ): the width of the value's own noise depends on the input and on what the path
 chose, so a copy can get a narrow interval and a guess a wide one. With no earlier number and a, β at 0 this is the
 model without the path exactly.
+
+Why a mean of its own: an average is a raw-space combination of weights 1/n_t, which a rank-r bilinear weight writes
+only where the query knows n_t, and a soft copy averages in the head's space (symlog: a geometric mean, 0.35 off on
+the corpus's averages); the mean is exact for any n_t and at any scale (docs/experiments.md, "The mean of the
+earlier numbers"). The choice decides where it applies. Its score and its entry of β are tensors of their own
+(`mean_score`, `mean_width`) rather than one more row of `choice` and of `width_by_choice`, so that a checkpoint saved
+before it loads with them absent (migrations.py) and no saved tensor changes shape.
 
 Which log: a product is a sum of logarithms, ln(p·q) = ln p + ln q, but symlog(p·q) is not a sum of symlogs where a
 factor is small (ln 3 for q = 2 against ln 2), so with symlog no weights write a price times a quantity of 2 to 9, or
@@ -48,14 +56,17 @@ from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
 from .cauchy import symexp, symlog, transform_values
 from .configuration import CONTEXT_VALUES_LOGS
-from .migrations import upgrade_state_dict
+from .migrations import ADDED
 
-# The scores of the candidates that are not copies, in this order, and the score each starts from: the linear
-# read-out at 0, the two combinations well below it, so that a start from data moves them only where they help.
-CANDIDATES = ("linear", "log", "raw")
-_START_SCORES = (0.0, -4.0, -4.0)
+# The scores of the candidates that are not copies, in this order (the first three `choice`'s, the mean's
+# `mean_score`), and the score each starts from: the linear read-out at 0, the others well below it, so that a start
+# from data moves them only where they help.
+CANDIDATES = ("linear", "log", "raw", "mean")
+_START_SCORES = (0.0, -4.0, -4.0, -4.0)
 # The linear read-out's score where the path is to leave the value to it: every other candidate below e^-40.
 LINEAR_ONLY_SCORE = 40.0
+# The mean's score there: its weight in the float64 softmax is exactly 0, as in a checkpoint saved before it existed.
+_MEAN_ABSENT_SCORE = -1e4
 # A log-space combination beyond this is past float64's range once exponentiated.
 _MAX_LOG = 700.0
 # ρ stays within e^±40.
@@ -76,7 +87,7 @@ class ContextRead:
     # path out of the graph, and data-parallel and sharding engines wait for a gradient of every trainable parameter
     # (exactly 0 here).
     in_graph: torch.Tensor | float = 0.0
-    # π̄_t = (π_0, Σ_j π_j, π_ℓ, π_r) `[B, S, 4]`, what the width ρ_t reads of the choice.
+    # π̄_t = (π_0, Σ_j π_j, π_ℓ, π_r, π_μ) `[B, S, 5]`, what the width ρ_t reads of the choice.
     choice: torch.Tensor | None = None
 
     def apply(
@@ -104,7 +115,8 @@ def _saturated(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class CausalQwenContextValues(nn.Module):
-    """The pointer and the two combinations over the earlier `<NUM>` values, and the width ρ (module docstring)."""
+    """The pointer, the two combinations and the mean over the earlier `<NUM>` values, and the width ρ (module
+    docstring)."""
 
     def __init__(self, hidden_size: int, rank: int, log_values: str = "symlog"):
         super().__init__()
@@ -118,9 +130,13 @@ class CausalQwenContextValues(nn.Module):
         self.key = nn.Linear(hidden_size, 3 * rank)
         # K', read at the position before each number; no bias, so that no position before the text's start adds one.
         self.key_before = nn.Linear(hidden_size, 3 * rank, bias=False)
-        self.choice = nn.Linear(hidden_size, len(CANDIDATES))
+        self.choice = nn.Linear(hidden_size, len(CANDIDATES) - 1)
+        self.mean_score = nn.Linear(hidden_size, 1)
         self.width = nn.Linear(hidden_size, 1)
-        self.width_by_choice = nn.Parameter(torch.zeros(len(CANDIDATES) + 1))
+        # β of π̄ = (π_0, Σ_j π_j, π_ℓ, π_r), and of π_μ.
+        self.width_by_choice = nn.Parameter(torch.zeros(len(CANDIDATES)))
+        self.mean_width = nn.Parameter(torch.zeros(1))
+        self.register_load_state_dict_post_hook(_read_added_as_before)
 
     def start_tensors(
         self, generator: torch.Generator | None = None, linear_only: bool = False
@@ -130,8 +146,8 @@ class CausalQwenContextValues(nn.Module):
         0), the linear read-out's score above the combinations', and ρ = 1. Random draws from `generator`.
 
         With `linear_only` (a model's path before its start from data), the copy queries are 0 and the linear
-        read-out's score is 40 above every other, so that the value is the linear law's to within e^-40 until
-        `fit_value_head` fits the path."""
+        read-out's score is 40 above every other and the mean's weight is 0, so that the value is the linear law's
+        to within e^-40 until `fit_value_head` fits the path."""
         r, hidden = self.rank, self.query.in_features
         tensors = {}
         for name in ("query", "key"):
@@ -145,12 +161,16 @@ class CausalQwenContextValues(nn.Module):
         tensors["query.bias"] = torch.cat((torch.zeros(r), torch.full((2 * r,), r ** -0.5)))
         tensors["key.bias"] = torch.zeros(3 * r)
         tensors["choice.weight"] = torch.zeros(self.choice.weight.shape)
-        tensors["choice.bias"] = torch.tensor(_START_SCORES)
+        tensors["choice.bias"] = torch.tensor(_START_SCORES[:-1])
+        tensors["mean_score.weight"] = torch.zeros(self.mean_score.weight.shape)
+        tensors["mean_score.bias"] = torch.tensor(_START_SCORES[-1:])
         if linear_only:
             tensors["choice.bias"][0] = LINEAR_ONLY_SCORE
+            tensors["mean_score.bias"][0] = _MEAN_ABSENT_SCORE
         tensors["width.weight"] = torch.zeros(self.width.weight.shape)
         tensors["width.bias"] = torch.zeros(1)
-        tensors["width_by_choice"] = torch.zeros(len(CANDIDATES) + 1)
+        tensors["width_by_choice"] = torch.zeros(len(CANDIDATES))
+        tensors["mean_width"] = torch.zeros(1)
         return tensors
 
     @torch.no_grad()
@@ -181,7 +201,7 @@ class CausalQwenContextValues(nn.Module):
         return maps, entry_values(is_num, values, value_transform, starts)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        upgrade_state_dict("context_values", state_dict, prefix, self)  # checkpoints of earlier versions
+        self._loading_prefix = prefix  # for `_read_added_as_before`, which torch calls without it
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def keys(self, own: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
@@ -244,7 +264,7 @@ class CausalQwenContextValues(nn.Module):
         visible: torch.Tensor,
         value_transform: str,
     ) -> ContextRead:
-        """The read of queries `[B, T, H]` over keys `[B, L, 3r]` and entries `[B, L, 3]`, `visible` `[B, T, L]`."""
+        """The read of queries `[B, T, H]` over keys `[B, L, 3r]` and entries `[B, L, 4]`, `visible` `[B, T, L]`."""
         r = self.rank
         q = self.query(queries).double()
         copy_q, log_q, raw_q = q.split(r, dim=-1)
@@ -252,30 +272,61 @@ class CausalQwenContextValues(nn.Module):
         y, v = entries[..., 0], entries[..., 1]
         copy_scores = (copy_q @ copy_k.transpose(1, 2) * r ** -0.5).masked_fill(~visible, float("-inf"))
         any_visible = visible.any(-1)
-        choice = self.choice(queries).double()
-        # The combinations exist only where there is an earlier number: without one the read is the linear law's.
+        choice = torch.cat((self.choice(queries), self.mean_score(queries)), -1).double()
+        # The combinations and the mean exist only where there is an earlier number: without one the read is the
+        # linear law's.
         choice = torch.cat((choice[..., :1], choice[..., 1:].masked_fill(~any_visible[..., None], float("-inf"))), -1)
         weights = torch.cat((choice, copy_scores), -1).softmax(-1)
-        linear, log_weight, raw_weight, copies = weights[..., 0], weights[..., 1], weights[..., 2], weights[..., 3:]
+        linear, log_weight, raw_weight, mean_weight = weights[..., :4].unbind(-1)
+        copies = weights[..., 4:]
         mask = visible.double()
+        count = mask.sum(-1).clamp(min=1.0)
+        mean = (mask @ v[..., None]).squeeze(-1) / count
+        # Values near float64's limit (a generated number clamped there) sum to inf, and inf times a weight of
+        # exactly 0 (the mean of a checkpoint without it) is NaN: there each value is divided before the sum.
+        limit = torch.finfo(torch.float64).max
+        divided = ((mask / count[..., None]) @ v[..., None]).squeeze(-1).clamp(-limit, limit)
+        mean = torch.where(mean.isfinite(), mean, divided)
         log_combination = ((log_q @ log_k.transpose(1, 2)) * mask) @ log_of_values(v, self.log_values)[..., None]
         raw_combination = ((raw_q @ raw_k.transpose(1, 2)) * mask) @ v[..., None]
         offset = (copies * mask) @ y[..., None]
         offset = offset.squeeze(-1)
         offset = offset + log_weight * _log_candidate(log_combination.squeeze(-1), value_transform, self.log_values)
         offset = offset + raw_weight * transform_values(raw_combination.squeeze(-1), value_transform)
-        summary = torch.stack((linear, copies.sum(-1), log_weight, raw_weight), -1)
+        offset = offset + mean_weight * transform_values(mean, value_transform)
+        summary = torch.stack((linear, copies.sum(-1), log_weight, raw_weight, mean_weight), -1)
         raw_width = self.width(queries).double().squeeze(-1)
         # Bounded: a width map fitted on the value rows can reach far past them at other positions, and exp of it
         # would be inf there, with a NaN gradient through a loss that does not read those positions.
-        width = (raw_width + summary @ self.width_by_choice.double()).clamp(-MAX_LOG_WIDTH, MAX_LOG_WIDTH).exp()
+        by_choice = torch.cat((self.width_by_choice, self.mean_width)).double()
+        width = (raw_width + summary @ by_choice).clamp(-MAX_LOG_WIDTH, MAX_LOG_WIDTH).exp()
         read = ContextRead(linear, offset, width, choice=summary)
         if self.training and torch.is_grad_enabled():
             # Every layer's output (not its parameters: a sharding engine releases a layer's parameters once the
             # layer has run) times 0, so that a loss without a value term still reaches every parameter.
             read.in_graph = 0.0 * (q.sum() + choice.nan_to_num(neginf=0.0).sum() + raw_width.sum()
-                                   + self.width_by_choice.sum())
+                                   + by_choice.sum())
         return read
+
+
+@torch.no_grad()
+def _read_added_as_before(path: CausalQwenContextValues, incompatible_keys) -> None:
+    """After torch's `load_state_dict` of a checkpoint saved before some of the path's tensors existed
+    (migrations.py `ADDED`): each one it lacks is written as a path before its start has it, which is the path that
+    checkpoint saved, and is not reported missing.
+
+    After the load rather than as a pre-hook that adds the tensors to the state dict: under ZeRO-3, transformers runs
+    a module's `_load_from_state_dict` on one rank only and gathers the parameters of the keys each rank holds, so a
+    key added on one rank makes that rank's gather differ from the others' and the collective fails.
+    `from_pretrained` fills them by `_init_weights` instead."""
+    prefix = getattr(path, "_loading_prefix", "")
+    start = None
+    for owner, name in ADDED:
+        key = prefix + name
+        if owner == "context_values" and key in incompatible_keys.missing_keys:
+            start = path.start_tensors(torch.Generator(), linear_only=True) if start is None else start
+            path.get_parameter(name).copy_(start[name])
+            incompatible_keys.missing_keys.remove(key)
 
 
 def entry_values(

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from .configuration import CausalQwenConfig, bind_model
-from .migrations import ADDED_AS_ZEROS
+from .migrations import ADDED
 from .modelcard import write_model_card
 
 __all__ = ["FILLED_TENSORS", "CausalQwenLoadingMixin", "check_config_edit", "check_missing_keys", "fill_from_config",
@@ -113,8 +113,8 @@ def check_missing_keys(model, missing_keys) -> None:
         return
     own = {key for key in model.state_dict() if key.split(".", 1)[0] in _OWN_MODULES}
     refilled = {key for name in fills for key in FILLED_TENSORS[name]}
-    # Tensors added since, read as 0 from a checkpoint without them (migrations.py).
-    added = {key for key in own if any(key.endswith(f"{module}.{name}") for module, name in ADDED_AS_ZEROS)}
+    # Tensors added since, read as their start from a checkpoint without them (migrations.py).
+    added = {key for key in own if any(key.endswith(f"{module}.{name}") for module, name in ADDED)}
     missing = sorted(key for key in missing_keys if key in own and key not in refilled | added)
     # A checkpoint without any causal tensor is a backbone's (Qwen2's, or CausalQwenModel's): its heads start as a
     # new model's, reported as missing, as transformers does for a base model loaded into a class with a head.

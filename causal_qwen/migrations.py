@@ -1,13 +1,21 @@
 """Checkpoints written by earlier versions, read as the model is now.
 
-A change of a saved tensor is listed once here and applied on both loading paths: transformers' `from_pretrained`
-(a weight conversion registered for the model class) and torch's `load_state_dict` (`upgrade_state_dict`, called by
-the module that owns the tensor), which do not share a hook.
+Each change of the saved tensors is listed once here.
+- A tensor that changed form is rewritten on both loading paths: transformers' `from_pretrained` (a weight conversion
+  registered for the model class) and torch's `load_state_dict` (`upgrade_state_dict`, called by the module that
+  owns the tensor). The two do not share a hook.
+- A tensor that is new keeps its name apart from the saved ones, so no saved tensor changes shape. A checkpoint
+  without it reads it as the model's own start gives it (`from_pretrained`'s `_init_weights`, and the owning module's
+  hook after `load_state_dict`). That start is the model the checkpoint saved.
 
+The changes:
 - `action.reg_log_noise` was 0-dim and is a `[1]` vector now (FSDP2's `fully_shard` and DeepSpeed take no 0-dim
   parameter).
-- `abduction.context_values.key_before.weight` (K', the keys' read of the position before each number) is new: a
-  checkpoint without it reads it as 0, which is the path it saved.
+- `abduction.context_values.key_before.weight` (K', the keys' read of the position before each number) is new. Its
+  start is 0, the path saved without it.
+- `abduction.context_values.mean_score.*` and `mean_width` (the mean of the earlier values as a candidate) are new.
+  Their start puts the mean's score at −10⁴, whose weight in the softmax (computed in float64) is exactly 0: the path
+  saved without them.
 """
 
 from __future__ import annotations
@@ -16,12 +24,17 @@ import torch
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, WeightConverter
 
-__all__ = ["ADDED_AS_ZEROS", "register_checkpoint_conversions", "upgrade_state_dict"]
+__all__ = ["ADDED", "register_checkpoint_conversions", "upgrade_state_dict"]
 
 # Tensors saved 0-dim by earlier versions that are [1] vectors now: (owning module in the model, tensor name).
 _VECTORS_OF_ONE = (("action", "reg_log_noise"),)
-# Tensors that earlier versions did not have, whose value 0 gives the model they saved: (owning module, tensor name).
-ADDED_AS_ZEROS = (("context_values", "key_before.weight"),)
+# Tensors that earlier versions did not have, read as their start: (owning module, tensor name).
+ADDED = (
+    ("context_values", "key_before.weight"),
+    ("context_values", "mean_score.weight"),
+    ("context_values", "mean_score.bias"),
+    ("context_values", "mean_width"),
+)
 
 
 class _VectorOfOne(ConversionOps):
@@ -45,14 +58,8 @@ def register_checkpoint_conversions(model_class_name: str) -> None:
     register_checkpoint_conversion_mapping(model_class_name, converters, overwrite=True)
 
 
-def upgrade_state_dict(module_name: str, state_dict: dict, prefix: str, module: torch.nn.Module | None = None) -> None:
-    """Rewrite, in place, the tensors of module `module_name` (of the model) under `prefix` in `state_dict`; with
-    `module`, add the zeros of the tensors it has that a checkpoint of it (some tensor under `prefix`) lacks."""
-    holds_module = module is not None and any(key.startswith(prefix) for key in state_dict)
-    for owner, name in ADDED_AS_ZEROS:
-        key = prefix + name
-        if owner == module_name and holds_module and key not in state_dict:
-            state_dict[key] = torch.zeros_like(module.get_parameter(name))
+def upgrade_state_dict(module_name: str, state_dict: dict, prefix: str) -> None:
+    """Rewrite, in place, the tensors of module `module_name` (of the model) under `prefix` in `state_dict`."""
     for owner, name in _VECTORS_OF_ONE:
         key = prefix + name
         if owner == module_name and key in state_dict and state_dict[key].dim() == 0:

@@ -11,6 +11,7 @@ abduction → heads and loss. What is not the model lives beside it: `distribute
 # No `from __future__ import annotations` here: transformers reads the forward's `**kwargs: Unpack[TransformersKwargs]`
 # annotation at run time (e.g. to tell whether the model can return attentions), which a string would hide.
 import math
+import re
 
 import torch
 from torch import nn
@@ -40,7 +41,7 @@ from .generation import CausalGenerationState, CausalQwenGenerationMixin
 from .labels import LossTargets
 from .loading import CausalQwenLoadingMixin, inverse_softplus
 from .loss import AnchorTerm, DecisionScores, FusedHead, LossOptions, Tiling, causal_qwen_loss
-from .migrations import register_checkpoint_conversions, upgrade_state_dict
+from .migrations import ADDED, register_checkpoint_conversions, upgrade_state_dict
 from .outputs import CausalQwenActionOutput, CausalQwenOutput
 
 # The loss's keywords of the forward, which `Trainer` (the counts) and context parallelism (the shifted labels) pass.
@@ -355,8 +356,8 @@ class CausalQwenPreTrainedModel(Qwen2PreTrainedModel):
     config: CausalQwenConfig
     config_class = CausalQwenConfig
     _no_split_modules = ["Qwen2DecoderLayer"]
-    # Read as 0 from checkpoints saved before they existed (migrations.py): not a tensor drawn afresh.
-    _keys_to_ignore_on_load_missing = [r"context_values\.key_before\.weight$"]
+    # Read as their start from checkpoints saved before they existed (migrations.py): not tensors drawn afresh.
+    _keys_to_ignore_on_load_missing = [rf"{module}\.{re.escape(name)}$" for module, name in ADDED]
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -65,8 +65,10 @@ class ValueHeadFit:
     context-value path (None without it, `context_start.fit_context_values`): its rows, the held-out value NLL of
     the linear read-out alone and of the path, the step it kept (0: the linear read-out alone, or in a refit the
     path as it was) and the shift of its log-width per choice fitted on the held-out rows, the seed of the
-    random start it kept, and the map of the query's leading principal coordinates added to its log-width there
-    (one weight per coordinate; docs/math.md).
+    random start it kept, the map of the query's leading principal coordinates added to its log-width there
+    (one weight per coordinate; docs/math.md), and in a refit the held-out value NLL of the path as it was, on the
+    same rows (the step 0 candidate, as its widths were calibrated, which `context_nll` of the fit that wrote it
+    was measured before).
     """
 
     positions: int
@@ -85,6 +87,7 @@ class ValueHeadFit:
     context_width_shift: list[float] | None = None
     context_seed: int | None = None
     context_width_map: list[float] | None = None
+    context_nll_before: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -67,7 +67,7 @@ def measure(model, tokenizer, data: dict, batch: int) -> dict:
 
 @torch.no_grad()
 def choices(model, tokenizer, examples: list, batch: int) -> dict:
-    """The path's choice π̄ = (π_0, Σ_j π_j, π_ℓ, π_r) at the position before each target, averaged per template."""
+    """The path's choice π̄ = (π_0, Σ_j π_j, π_ℓ, π_r, π_μ) at the position before each target, averaged per template."""
     path = model.abduction.context_values
     if path is None:
         return {}
@@ -171,8 +171,8 @@ def table(results: dict) -> str:
                 cell = arm[stage]["test"]["positions"]
                 lines.append(f"| {name}, {stage} | {cell['eval/accuracy']:.4f} | "
                              f"{cell['eval/num_f1']:.3f} | {cell['eval/ppl_ovr']:.4g} |")
-    lines += ["\nthe path's choice at the targets, mean per template: read-out, copies, log-space, raw-space",
-              "| arm | template | π_0 | Σ π_j | π_ℓ | π_r |", "|---|---|---|---|---|---|"]
+    lines += ["\nthe path's choice at the targets, mean per template: read-out, copies, log-space, raw-space, mean",
+              "| arm | template | π_0 | Σ π_j | π_ℓ | π_r | π_μ |", "|---|---|---|---|---|---|---|"]
     for name, arm in results["arms"].items():
         for split in ("test", "real_test"):
             for template, mean in arm["start"][split].get("choice", {}).items():

@@ -90,7 +90,7 @@ def context_rows(saved: dict) -> ContextRows:
 @torch.no_grad()
 def predict(model, saved: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The value's `(median, loc_Y, scale_Y)` at each saved row, through the model's read-out and path (float64),
-    and the path's choice π̄ = (π_0, Σ_j π_j, π_ℓ, π_r) `[N, 4]`."""
+    and the path's choice π̄ = (π_0, Σ_j π_j, π_ℓ, π_r, π_μ) `[N, 5]`."""
     action, config = model.action, model.config
     path = copy.deepcopy(model.abduction.context_values).double()
     queries, keys, values, present = context_rows(saved).stacked(len(saved["y"]))
@@ -170,6 +170,7 @@ _LIBRARY = {name: getattr(context_start, name) for name in ("_DIMS", "_PATIENCE"
 _ADAM = torch.optim.Adam
 _SYMLOG = cauchy.symlog
 _FIT_FROM = context_start._fit_from
+_FIT_CHOICE = context_start._fit_choice
 
 
 def _combinations_read_roles(small, *args, **kwargs):
@@ -192,17 +193,21 @@ def arm(name: str) -> None:
     """Set `context_start` to the library's fit, then to arm `name`'s variant of it: `library`, or `+`-joined
     `dims=D` (principal coordinates), `patience=P`, `lr=R`, `wd=W` (AdamW's decoupled weight decay), or
     `zero-gradient` (symlog as it was, whose derivative at 0 autograd gave as 0), or `roles` (the combinations'
-    keys read the words before each number, not its own features)."""
+    keys read the words before each number, not its own features), or `no-choice` (no fit of the mean's score)."""
     for key, value in _LIBRARY.items():
         setattr(context_start, key, value)
     context_start.torch.optim.Adam = _ADAM
     cauchy.symlog = _SYMLOG
     context_start._fit_from = _FIT_FROM
+    context_start._fit_choice = _FIT_CHOICE
     if name == "library":
         return
     for part in name.split("+"):
         if part == "roles":
             context_start._fit_from = _combinations_read_roles
+            continue
+        if part == "no-choice":  # the mean's score as the locations' fit leaves it
+            context_start._fit_choice = lambda *args, **kwargs: None
             continue
         if part.startswith("scales="):
             context_start._SCALES = tuple(float(x) for x in part.split("=")[1].split("/"))
@@ -271,7 +276,7 @@ def main() -> None:
             print(f"  {split}: {cells}; mean {statistics.fmean(m['per_template'].values()):.3f}, pooled "
                   f"{m['pooled']:.3f}, coverage {m['coverage'][0]:.2f} / {m['coverage'][1]:.2f}", flush=True)
             if args.choices:
-                print("    mean choice (read-out, copies, log, raw): " + "; ".join(
+                print("    mean choice (read-out, copies, log, raw, mean): " + "; ".join(
                     f"{k} " + "/".join(f"{p:.2f}" for p in v) for k, v in m["choice"].items()), flush=True)
 
 

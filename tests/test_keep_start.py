@@ -185,7 +185,9 @@ def test_training_the_features_with_the_context_path_keeps_the_start(tiny_qwen, 
     assert not path & {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
     fit = model.config.value_head_fit
     assert fit["context_step"] > 0 and fit["context_nll"] < fit["context_nll_linear"], fit
-    assert model_value_nll(model, held_out) <= at_start["nll"]
+    # No worse, up to the float32 rounding of the path written back as maps of z (where the check restores the start's
+    # features and path, the refit gives the start again to about 3e-8 of the NLL; a lost start costs 0.05 or more).
+    assert model_value_nll(model, held_out) <= at_start["nll"] * (1 + 1e-6)
 
 
 def test_features_that_train_worse_than_the_start_are_restored(tiny_qwen, tmp_path):

@@ -76,6 +76,7 @@ def _copying_path(model) -> None:
         path.query.weight[:path.rank] *= 10.0
         path.key.weight[:path.rank] *= 10.0
         path.choice.bias.copy_(torch.tensor([-2.0, -4.0, -4.0]))
+        path.mean_score.bias.fill_(-4.0)
         path.width.weight *= 0.1
         path.width.bias.fill_(-3.0)
 
