@@ -47,6 +47,7 @@ float64, which holds the tokenizer's values to every digit.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -281,12 +282,12 @@ class CausalQwenContextValues(nn.Module):
         copies = weights[..., 4:]
         mask = visible.double()
         count = mask.sum(-1).clamp(min=1.0)
-        mean = (mask @ v[..., None]).squeeze(-1) / count
-        # Values near float64's limit (a generated number clamped there) sum to inf, and inf times a weight of
-        # exactly 0 (the mean of a checkpoint without it) is NaN: there each value is divided before the sum.
+        # Values near float64's limit (a generated number clamped there) would sum to inf, and inf times a weight of
+        # exactly 0 (the mean of a checkpoint without it) is NaN. Scaled by 2^-k with 2^k ≥ L first, no sum of L
+        # values overflows; a power of 2 commutes with every rounding above the subnormals, so this is Σv/n.
+        scale = 2.0 ** -math.ceil(math.log2(max(mask.shape[-1], 1)))
         limit = torch.finfo(torch.float64).max
-        divided = ((mask / count[..., None]) @ v[..., None]).squeeze(-1).clamp(-limit, limit)
-        mean = torch.where(mean.isfinite(), mean, divided)
+        mean = ((mask @ (v * scale)[..., None]).squeeze(-1) / count / scale).clamp(-limit, limit)
         log_combination = ((log_q @ log_k.transpose(1, 2)) * mask) @ log_of_values(v, self.log_values)[..., None]
         raw_combination = ((raw_q @ raw_k.transpose(1, 2)) * mask) @ v[..., None]
         offset = (copies * mask) @ y[..., None]
