@@ -202,7 +202,9 @@ class CausalQwenContextValues(nn.Module):
         return maps, entry_values(is_num, values, value_transform, starts)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        self._loading_prefix = prefix  # for `_read_added_as_before`, which torch calls without it
+        # For `_read_added_as_before`, which torch calls without the prefix. The tensors are not filled here: under
+        # ZeRO-3, transformers calls this on one rank with only the checkpoint's own tensors gathered.
+        self._loading_prefix = prefix
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def keys(self, own: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
