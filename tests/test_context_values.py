@@ -885,6 +885,64 @@ def test_the_start_chooses_the_mean_where_the_target_is_the_mean(model):
     assert share[~is_mean].max() < 0.01, share[~is_mean]
 
 
+def test_the_fit_of_the_mean_keeps_its_share_in_a_blend_and_makes_the_averages_exact():
+    """A path whose mean takes half the weight at one kind of row, where the target is the blend of the read-out's
+    location and the mean that this half computes, and none at the averages (rows whose target is the mean) and at
+    rows whose target is the read-out's location. Fitting the mean's score gives it the averages (share above 0.9, the
+    value within 1% of the mean), keeps its share in the blend within 0.05 of the half it had, and leaves it under
+    0.01 at the read-out's rows."""
+    from causal_qwen.cauchy import symexp, symlog
+    from causal_qwen.context_start import _fit_choice, _Rows
+    from causal_qwen.context_values import CausalQwenContextValues, entry_values
+
+    g = torch.Generator().manual_seed(5)
+    dims, kinds = 4, torch.arange(300) % 3  # 0: the mean is the target, 1: the blend, 2: the read-out
+    queries = 0.05 * torch.randn(300, dims, generator=g, dtype=torch.float64)
+    queries[:, :2] = 0.0  # the two directions that tell the kinds apart, without noise: the blend's share is 1/2
+    queries[:, 0] += 3.0 * (kinds == 0)
+    queries[:, 1] += 3.0 * (kinds == 1)
+    count = torch.randint(3, 6, (300,), generator=g)
+    present = torch.arange(5)[None] < count[:, None]
+    values = torch.randint(1, 101, (300, 5), generator=g).double() * present
+    mean = symlog(values.sum(-1) / count)
+    loc_linear = torch.randn(300, generator=g, dtype=torch.float64) + 2.0
+    target = torch.where(kinds == 0, mean, torch.where(kinds == 1, 0.5 * loc_linear + 0.5 * mean, loc_linear))
+    rows = _Rows(queries, torch.zeros(300, 5, 2 * dims, dtype=torch.float64),
+                 entry_values(present, values, "symlog"), present, loc_linear, torch.full((300,), 0.1).double(), target)
+    held = torch.arange(300) % 5 == 0
+    split = {True: _Rows(*(t[held] for t in rows)), False: _Rows(*(t[~held] for t in rows))}
+
+    path = CausalQwenContextValues(dims, 2).double().eval()
+    path.reset_parameters(torch.Generator().manual_seed(0), keep_loaded=False)
+    with torch.no_grad():
+        path.query.weight.zero_()  # every copy score 0, far below the read-out's 20
+        path.query.bias.zero_()
+        path.choice.weight.zero_()
+        path.choice.bias.copy_(torch.tensor([20.0, -40.0, -40.0]))
+        path.mean_score.weight.zero_()
+        path.mean_score.weight[0, 1] = 20.0 / 3.0  # 20 at the blend's rows: half the weight there
+        path.mean_score.bias.zero_()
+
+    def read(part: bool):
+        own, before = split[part].keys.chunk(2, dim=-1)
+        with torch.no_grad():
+            read = path.read(split[part].queries[:, None], path.keys(own, before), split[part].entries,
+                             split[part].present[:, None], "symlog")
+        return read.choice[:, 0, 4], read.linear_weight[:, 0] * split[part].loc_linear + read.offset[:, 0]
+
+    kind = kinds[held]
+    share, _ = read(True)
+    assert share[kind == 1].sub(0.5).abs().max() < 1e-6 and share[kind != 1].max() < 1e-6
+    _fit_choice(path, split, "symlog", 0.1)
+    share, loc = read(True)
+    assert share[kind == 0].min() > 0.9, share[kind == 0]
+    assert share[kind == 1].sub(0.5).abs().max() < 0.05, share[kind == 1]
+    assert share[kind == 2].max() < 0.01, share[kind == 2]
+    average = symexp(split[True].target[kind == 0])
+    error = (symexp(loc[kind == 0]) - average).abs() / average
+    assert error.median() < 0.01, error
+
+
 def test_the_start_leaves_the_copies_where_the_target_repeats_one_of_several_numbers(model):
     """A text states 3 to 5 numbers (1 to 100) and then their mean, or the first of them again (its key marked by one
     direction of its features), one direction of the query's features telling the two apart. After the start, rows
