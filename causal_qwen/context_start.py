@@ -330,8 +330,8 @@ def _fit_choice(small, split: dict, transform: str, noise: float) -> None:
     copies' elsewhere and cost the real tables; moving the mean's score alone leaves the ratios of the other shares
     as they were at every row (docs/experiments.md, "The mean of the earlier numbers"). Toward 0 elsewhere, it took
     away the share the locations' fit had given the mean as part of a blend (0.33 at the corpus's differences), and
-    the others' error then rose past the slack in two of three random starts on Qwen2.5-0.5B ("The mean's target
-    elsewhere: the locations' share")."""
+    the others' error then rose past the slack in the kept random start on Qwen2.5-0.5B, so the mean was dropped
+    ("The mean's target elsewhere: the locations' share")."""
     column = 1 + CANDIDATES.index("mean")  # of π̄, after the copies' share
     labels = {part: _mean_labels(rows, transform) for part, rows in split.items()}
     exact = {part: label[0] for part, label in labels.items()}
