@@ -9,11 +9,13 @@ backward stops at the heads; `--train-value-features` trains the numeric embeddi
 random ids: one in which `--numbers` tokens are `<NUM>` with values, and one of text only (where the path has nothing
 to read).
 
-Both models live in one process and steps alternate between them; the time is the median over `--steps` steps, and
-the ratio is the path's step time over the step without it.
+Both models live in one process and steps alternate between them, in turn off first and on first (so that neither
+model always runs second); the time is the median over `--steps` steps, and the ratio is the path's step time over
+the step without it. On a GPU (`--device cuda`) each step is timed between two synchronisations.
 
     python benchmarks/bench_context_values.py                  # 24 layers, B=1, S=1024, 64 numbers
     python benchmarks/bench_context_values.py --layers 4       # quick (the path's share is then 6x larger)
+    python benchmarks/bench_context_values.py --device cuda --dtype bfloat16 --steps 20
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from causal_qwen.training import value_side_parameters
 NUM = 151_665
 
 
-def build_models(layers: int, train_path: bool, train_features: bool
+def build_models(layers: int, train_path: bool, train_features: bool, device: torch.device, dtype: torch.dtype
                  ) -> tuple[CausalQwenForCausalLM, CausalQwenForCausalLM]:
     torch.manual_seed(0)
     qwen = Qwen2ForCausalLM(Qwen2Config(
@@ -50,10 +52,10 @@ def build_models(layers: int, train_path: bool, train_features: bool
         for param in value_side_parameters(model, features=not train_features):
             param.requires_grad_(False)
     on.abduction.context_values.requires_grad_(train_path)
-    return off, on
+    return off.to(device, dtype), on.to(device, dtype)
 
 
-def make_batch(batch: int, seq: int, numbers: int) -> dict[str, torch.Tensor]:
+def make_batch(batch: int, seq: int, numbers: int, device: torch.device) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 151_000, (batch, seq), generator=g)
     values = torch.zeros(batch, seq, dtype=torch.float64)
@@ -61,22 +63,30 @@ def make_batch(batch: int, seq: int, numbers: int) -> dict[str, torch.Tensor]:
         where = torch.linspace(8, seq - 2, numbers).long()
         ids[:, where] = NUM
         values[:, where] = torch.rand(batch, numbers, generator=g, dtype=torch.float64) * 1000
-    return {"input_ids": ids, "numeric_values": values, "labels": ids.clone()}
+    return {"input_ids": ids.to(device), "numeric_values": values.to(device), "labels": ids.to(device)}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def step(model: CausalQwenForCausalLM, batch: dict[str, torch.Tensor]) -> float:
     model.zero_grad(set_to_none=True)
+    synchronize(batch["input_ids"].device)
     start = time.perf_counter()
     model(**batch).loss.backward()
+    synchronize(batch["input_ids"].device)
     return time.perf_counter() - start
 
 
 def measure(off, on, batch, steps: int) -> tuple[float, float]:
     step(off, batch), step(on, batch)  # warm-up
     times = {"off": [], "on": []}
-    for _ in range(steps):
-        times["off"].append(step(off, batch))
-        times["on"].append(step(on, batch))
+    for i in range(steps):
+        order = (("off", off), ("on", on)) if i % 2 == 0 else (("on", on), ("off", off))
+        for name, model in order:
+            times[name].append(step(model, batch))
     return statistics.median(times["off"]), statistics.median(times["on"])
 
 
@@ -86,21 +96,26 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--numbers", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--train-path", action="store_true", help="let the path's weights train too")
     parser.add_argument("--train-value-features", action="store_true",
                         help="train the numeric embedding and the abduction network (backward through the backbone)")
     args = parser.parse_args()
     if args.numbers < 1 or args.numbers > args.seq - 10:
         raise ValueError(f"--numbers must be in [1, seq - 10], got {args.numbers}")
-    off, on = build_models(args.layers, args.train_path, args.train_value_features)
-    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__};"
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    off, on = build_models(args.layers, args.train_path, args.train_value_features, device, dtype)
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+    print(f"{where}, {args.dtype}, torch {torch.__version__};"
           f" {args.layers} layers, B={args.batch}, S={args.seq}, path {'trained' if args.train_path else 'held'}, "
           f"value features {'trained' if args.train_value_features else 'held'}")
     print("| batch | step without the path (s) | with it (s) | ratio |")
     print("|---|---|---|---|")
     for name, numbers in ((f"{args.numbers} numbers", args.numbers), ("text only", 0)):
-        t_off, t_on = measure(off, on, make_batch(args.batch, args.seq, numbers), args.steps)
+        t_off, t_on = measure(off, on, make_batch(args.batch, args.seq, numbers, device), args.steps)
         print(f"| {name} | {t_off:.3f} | {t_on:.3f} | {t_on / t_off:.3f} |", flush=True)
 
 

@@ -262,3 +262,80 @@ def heads(action, loc_u, scale_u):
     """`(DecisionScores, loc_Y, scale_Y)` of the action module, for the straightforward loss."""
     out = action(loc_u, scale_u)
     return DecisionScores(out.loc_S, out.scale_S, action.threshold), out.loc_Y, out.scale_Y
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The context-value path (docs/design.md §1b) on the GPU
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def path_model(tiny_qwen, spread: float = 0.4) -> CausalQwenForCausalLM:
+    """A tiny CausalQwen whose path reads: every weight of the path random, so no term is 0 or 1 by construction."""
+    model = build(tiny_qwen, context_values=True, context_values_rank=4)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for param in model.abduction.context_values.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * spread)
+    return model
+
+
+def test_the_context_path_forward_and_gradients_equal_the_cpu(tiny_qwen):
+    model = path_model(tiny_qwen).eval()
+    batch = batch_with_numbers()
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        cpu = model(**inputs)
+        gpu = model.to(CUDA)(**to(inputs, CUDA))
+    for name in ("loc_Y", "scale_Y", "loc_U", "scale_U"):
+        torch.testing.assert_close(getattr(gpu, name).cpu(), getattr(cpu, name), rtol=1e-5, atol=1e-5)
+    model = model.cpu().train()
+    cpu_loss, cpu_grads = loss_and_grads(model, batch)
+    gpu_loss, gpu_grads = loss_and_grads(model.to(CUDA), to(batch, CUDA))
+    assert gpu_loss.item() == pytest.approx(cpu_loss.item(), rel=1e-5)
+    assert any(name.startswith("abduction.context_values.") for name in gpu_grads)
+    assert gpu_grads.keys() == cpu_grads.keys()
+    for name, grad in cpu_grads.items():
+        torch.testing.assert_close(gpu_grads[name].cpu(), grad, rtol=1e-4, atol=1e-6 * grad.abs().max().item())
+
+
+def test_the_context_path_in_bfloat16_is_finite_and_close_to_float32(tiny_qwen):
+    batch = to(batch_with_numbers(), CUDA)
+    fp32 = path_model(tiny_qwen).to(CUDA).train()
+    loss32, _ = loss_and_grads(fp32, batch)
+    with torch.no_grad():
+        want = fp32.eval()(**{k: v for k, v in batch.items() if k != "labels"}).loc_Y
+    bf16 = path_model(tiny_qwen).to(CUDA, torch.bfloat16).train()
+    loss16, grads16 = loss_and_grads(bf16, batch)
+    assert torch.isfinite(loss16) and loss16.item() == pytest.approx(loss32.item(), rel=5e-2)
+    assert all(torch.isfinite(g).all() for g in grads16.values())
+    with torch.no_grad():
+        got = bf16.eval()(**{k: v for k, v in batch.items() if k != "labels"}).loc_Y
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want, rtol=5e-2, atol=5e-2 * want.abs().max().item())
+
+
+def test_written_numbers_join_the_context_under_the_default_compiled_static_cache(tiny_qwen):
+    """On a GPU, transformers compiles the decoding forward for a static cache by default: the path's cache entries
+    must survive it, and every written value is the median a full forward over the final text predicts there."""
+    model = path_model(tiny_qwen, spread=0.1).to(CUDA).eval()  # products of written values that stay in range
+    with torch.no_grad():
+        model.action.threshold[NUM] = -1e4
+        model.action.cls_head.bias[NUM] = 1e3
+        model.action.reg_head.weight.mul_(0.1)  # written values of a moderate size, compared at a relative tolerance
+    batch = to(batch_with_numbers(), CUDA)
+    ids, values = batch["input_ids"], batch["numeric_values"]
+    values[:, 5] = torch.tensor([3.5, -25.0, 12.0], dtype=values.dtype, device=CUDA)
+    common = dict(attention_mask=torch.ones_like(ids), numeric_values=values, max_new_tokens=5, pad_token_id=0,
+                  mode="standard", return_dict_in_generate=True)
+    torch.compiler.reset()
+    eager = model.generate(ids, **common)
+    compiled = model.generate(ids, cache_implementation="static", **common)
+    start = ids.shape[1]
+    assert (compiled.sequences[:, start:] == NUM).all()
+    assert torch.equal(compiled.sequences, eager.sequences)
+    torch.testing.assert_close(compiled.numeric_values, eager.numeric_values, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        full = model(compiled.sequences, numeric_values=compiled.numeric_values)
+    expected = model.to_value(full.loc_Y[:, start - 1:-1].double())
+    torch.testing.assert_close(compiled.numeric_values[:, start:], expected, rtol=1e-4, atol=1e-5)
+    assert compiled.numeric_values[0, start:].unique().numel() > 1
