@@ -254,10 +254,46 @@ class CausalQwenContextValues(nn.Module):
             keys, entries, key_positions = _numbers_only(keys_of(maps, entries), entries)
         query_positions = new[query_index]
         queries = torch.take_along_dim(hidden_states, query_index[..., None], dim=1)
-        visible = (entries[..., 2] > 0)[:, None, :] & (key_positions[:, None, :] <= query_positions[:, :, None])
-        read = self.read(queries, keys, entries, visible, value_transform)
+        if keys.shape[1] == 0:  # no number anywhere in the batch's context
+            read = self.read_without_numbers(queries)
+        else:
+            visible = (entries[..., 2] > 0)[:, None, :] & (key_positions[:, None, :] <= query_positions[:, :, None])
+            read = self.read(queries, keys, entries, visible, value_transform)
         in_graph = read.in_graph + 0.0 * new_maps.sum() if self.training and torch.is_grad_enabled() else 0.0
         return read.linear_weight, read.offset, read.width, keys.new_zeros(()) + in_graph
+
+    def _scores(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The queries `[B, T, 3r]`, the scores of the candidates that are not copies `[B, T, 4]` and the width map
+        a·z_t `[B, T]` of queries `[B, T, H]`, float64."""
+        q = self.query(queries).double()
+        choice = torch.cat((self.choice(queries), self.mean_score(queries)), -1).double()
+        return q, choice, self.width(queries).double().squeeze(-1)
+
+    def _width(self, raw_width: torch.Tensor, summary: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ρ_t from a·z_t `[B, T]` and π̄_t `[B, T, 5]`, and β."""
+        # Bounded: a width map fitted on the value rows can reach far past them at other positions, and exp of it
+        # would be inf there, with a NaN gradient through a loss that does not read those positions.
+        by_choice = torch.cat((self.width_by_choice, self.mean_width)).double()
+        return (raw_width + summary @ by_choice).clamp(-MAX_LOG_WIDTH, MAX_LOG_WIDTH).exp(), by_choice
+
+    def _in_graph(self, read: ContextRead, q, choice, raw_width, by_choice) -> ContextRead:
+        if self.training and torch.is_grad_enabled():
+            # Every layer's output (not its parameters: a sharding engine releases a layer's parameters once the
+            # layer has run) times 0, so that a loss without a value term still reaches every parameter.
+            read.in_graph = 0.0 * (q.sum() + choice.nan_to_num(neginf=0.0).sum() + raw_width.sum()
+                                   + by_choice.sum())
+        return read
+
+    def read_without_numbers(self, queries: torch.Tensor) -> ContextRead:
+        """`read` where no number is visible, in a few operations rather than the whole read: π_0 = 1, m_t = 0 and
+        π̄_t = (1, 0, 0, 0, 0), so ρ_t = exp(a·z_t + β_0), bit for bit what `read` gives there. (Each small operation
+        is a kernel launch on a GPU, which is what a step of small batches or one token of decoding costs.)"""
+        q, choice, raw_width = self._scores(queries)
+        linear = torch.ones_like(raw_width)
+        summary = nn.functional.pad(linear[..., None], (0, len(CANDIDATES)))
+        width, by_choice = self._width(raw_width, summary)
+        read = ContextRead(linear, torch.zeros_like(raw_width), width, choice=summary)
+        return self._in_graph(read, q, choice, raw_width, by_choice)
 
     def read(
         self,
@@ -269,13 +305,12 @@ class CausalQwenContextValues(nn.Module):
     ) -> ContextRead:
         """The read of queries `[B, T, H]` over keys `[B, L, 3r]` and entries `[B, L, 4]`, `visible` `[B, T, L]`."""
         r = self.rank
-        q = self.query(queries).double()
+        q, choice, raw_width = self._scores(queries)
         copy_q, log_q, raw_q = q.split(r, dim=-1)
         copy_k, log_k, raw_k = keys.split(r, dim=-1)
         y, v = entries[..., 0], entries[..., 1]
         copy_scores = (copy_q @ copy_k.transpose(1, 2) * r ** -0.5).masked_fill(~visible, float("-inf"))
         any_visible = visible.any(-1)
-        choice = torch.cat((self.choice(queries), self.mean_score(queries)), -1).double()
         # The combinations and the mean exist only where there is an earlier number: without one the read is the
         # linear law's.
         choice = torch.cat((choice[..., :1], choice[..., 1:].masked_fill(~any_visible[..., None], float("-inf"))), -1)
@@ -298,18 +333,9 @@ class CausalQwenContextValues(nn.Module):
         offset = offset + raw_weight * transform_values(raw_combination.squeeze(-1), value_transform)
         offset = offset + mean_weight * transform_values(mean, value_transform)
         summary = torch.stack((linear, copies.sum(-1), log_weight, raw_weight, mean_weight), -1)
-        raw_width = self.width(queries).double().squeeze(-1)
-        # Bounded: a width map fitted on the value rows can reach far past them at other positions, and exp of it
-        # would be inf there, with a NaN gradient through a loss that does not read those positions.
-        by_choice = torch.cat((self.width_by_choice, self.mean_width)).double()
-        width = (raw_width + summary @ by_choice).clamp(-MAX_LOG_WIDTH, MAX_LOG_WIDTH).exp()
+        width, by_choice = self._width(raw_width, summary)
         read = ContextRead(linear, offset, width, choice=summary)
-        if self.training and torch.is_grad_enabled():
-            # Every layer's output (not its parameters: a sharding engine releases a layer's parameters once the
-            # layer has run) times 0, so that a loss without a value term still reaches every parameter.
-            read.in_graph = 0.0 * (q.sum() + choice.nan_to_num(neginf=0.0).sum() + raw_width.sum()
-                                   + by_choice.sum())
-        return read
+        return self._in_graph(read, q, choice, raw_width, by_choice)
 
 
 @torch.no_grad()

@@ -452,15 +452,21 @@ def test_the_start_from_data_fits_the_path_to_copy(tiny_qwen, monkeypatch):
     # A copy is exact at any scale: stated values a hundred times the largest the start saw are repeated too.
     assert _repeat_error(model, _scaled(_repeat_batches(3, seed=2), 100.0)) < 0.05
     # Refitting (as training does before each evaluation) fits the read-out on all 640 rows and the path after it,
-    # as the start does; and the copies stay.
+    # as the start does; and the copies stay. (Its widths are left uncalibrated here, so that the NLL it measured is
+    # that of the path it writes, which the next refit reads back below.)
+    from causal_qwen import context_start
+
+    monkeypatch.setattr(context_start, "_calibrate_width", lambda *args: (
+        torch.zeros(len(context_start.CANDIDATES) + 1, dtype=torch.float64), torch.zeros(0, dtype=torch.float64)))
     refit = refit_value_readout(model, _repeat_batches(20, seed=1))
+    monkeypatch.undo()
     assert refit.positions == 640 and refit.context_nll < refit.context_nll_linear
     assert _repeat_error(model, _repeat_batches(3, seed=2)) < 0.05
     # On the same rows and features, a refit scores no worse on the held-out rows than the path it started from,
     # even where its fit from a random start lands nowhere (here a start at the linear read-out alone, whose other
-    # scores are e^-40 below it and learn nothing): the path as it was is one of its candidates. As it was means with
-    # the widths the last refit calibrated after measuring its `context_nll`; that NLL is the path's before them (its
-    # float32 maps of z read back, hence the 1e-6 and the 2e-3).
+    # scores are e^-40 below it and learn nothing): the path as it was is one of its candidates, the path the last
+    # refit wrote, whose NLL it measured as `context_nll` (its float32 maps of z read back, hence the 1e-6 and the
+    # 2e-3).
     start_tensors = CausalQwenContextValues.start_tensors
     monkeypatch.setattr(CausalQwenContextValues, "start_tensors",
                         lambda self, generator=None, linear_only=False: start_tensors(self, generator, True))
@@ -993,3 +999,51 @@ def test_the_start_leaves_the_copies_where_the_target_repeats_one_of_several_num
     error = ((symexp(loc) - symexp(y)).abs() / symexp(y).abs())
     for which in (kind == 0, kind == 1):
         assert error[which].median() < 0.01, (which, error[which])
+
+
+def test_the_read_of_a_batch_without_numbers_is_the_whole_read_with_nothing_visible(model):
+    """A batch with no number anywhere takes a short read; it equals, bit for bit, the whole read over positions of
+    which none is visible (the width's input dependence and β included), and so do its gradients."""
+    path = model.abduction.context_values
+    with torch.no_grad():
+        path.width_by_choice.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(2))
+        path.mean_width.fill_(-0.7)
+    torch.manual_seed(4)
+    queries = torch.randn(2, 6, model.config.hidden_size)
+    keys = torch.randn(2, 6, 3 * RANK, dtype=torch.float64)
+    entries = entry_values(torch.zeros(2, 6, dtype=torch.bool), torch.zeros(2, 6, dtype=torch.float64), "symlog")
+    visible = torch.zeros(2, 6, 6, dtype=torch.bool)
+    path.train()
+    whole = path.read(queries, keys, entries, visible, "symlog")
+    short = path.read_without_numbers(queries)
+    for name in ("linear_weight", "offset", "width", "choice"):
+        assert torch.equal(getattr(short, name), getattr(whole, name)), name
+    assert whole.linear_weight.eq(1.0).all() and whole.offset.eq(0.0).all()
+
+    def gradients(read):
+        path.zero_grad(set_to_none=True)
+        ((read.width * torch.arange(6.0)).sum() + read.in_graph).backward()
+        return {n: p.grad for n, p in path.named_parameters()}
+
+    short_grads = gradients(path.read_without_numbers(queries))
+    whole_grads = gradients(path.read(queries, keys, entries, visible, "symlog"))
+    assert {n for n, g in short_grads.items() if g is None} == {n for n, g in whole_grads.items() if g is None}
+    for name, grad in whole_grads.items():
+        assert grad is None or torch.equal(short_grads[name], grad), name
+    assert short_grads["width.weight"].abs().sum() > 0 and short_grads["width_by_choice"][0] != 0
+
+
+def test_a_batch_without_numbers_takes_the_short_read(model, monkeypatch):
+    """The forward of a text-only batch (and of decoding over it) reads through `read_without_numbers`; one number
+    anywhere in the batch takes the whole read."""
+    path = model.abduction.context_values
+    calls = []
+    for name in ("read", "read_without_numbers"):
+        real = getattr(path, name)
+        monkeypatch.setattr(path, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    ids, values = numbers_batch()
+    text = torch.randint(1, 100, (2, 12))
+    with torch.no_grad():
+        model(text)
+        model(ids, numeric_values=values)
+    assert calls == ["read_without_numbers", "read"]
