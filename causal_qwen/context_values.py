@@ -276,7 +276,9 @@ class CausalQwenContextValues(nn.Module):
         by_choice = torch.cat((self.width_by_choice, self.mean_width)).double()
         return (raw_width + summary @ by_choice).clamp(-MAX_LOG_WIDTH, MAX_LOG_WIDTH).exp(), by_choice
 
-    def _in_graph(self, read: ContextRead, q, choice, raw_width, by_choice) -> ContextRead:
+    def _in_graph(self, read: ContextRead, q: torch.Tensor, choice: torch.Tensor, raw_width: torch.Tensor,
+                  by_choice: torch.Tensor) -> ContextRead:
+        """`read` with its `in_graph` term when training."""
         if self.training and torch.is_grad_enabled():
             # Every layer's output (not its parameters: a sharding engine releases a layer's parameters once the
             # layer has run) times 0, so that a loss without a value term still reaches every parameter.
