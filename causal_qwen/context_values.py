@@ -254,13 +254,20 @@ class CausalQwenContextValues(nn.Module):
             keys, entries, key_positions = _numbers_only(keys_of(maps, entries), entries)
         query_positions = new[query_index]
         queries = torch.take_along_dim(hidden_states, query_index[..., None], dim=1)
-        if keys.shape[1] == 0:  # no number anywhere in the batch's context
+        short = keys.shape[1] == 0  # no number anywhere in the batch's context
+        if short:
             read = self.read_without_numbers(queries)
         else:
             visible = (entries[..., 2] > 0)[:, None, :] & (key_positions[:, None, :] <= query_positions[:, :, None])
             read = self.read(queries, keys, entries, visible, value_transform)
         in_graph = read.in_graph + 0.0 * new_maps.sum() if self.training and torch.is_grad_enabled() else 0.0
-        return read.linear_weight, read.offset, read.width, keys.new_zeros(()) + in_graph
+        linear, offset = read.linear_weight, read.offset
+        if short and isinstance(in_graph, torch.Tensor):
+            # The short read's π_0 and m_t are constants; in training they join the graph as the whole read's do
+            # (exactly 1 and 0 still), since ZeRO-3 hooks the backward of each output of a module that needs a
+            # gradient, and a rank without numbers must hook as many as one with them.
+            linear, offset = linear + in_graph, offset + in_graph
+        return linear, offset, read.width, keys.new_zeros(()) + in_graph
 
     def _scores(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The queries `[B, T, 3r]`, the scores of the candidates that are not copies `[B, T, 4]` and the width map

@@ -1047,3 +1047,25 @@ def test_a_batch_without_numbers_takes_the_short_read(model, monkeypatch):
         model(text)
         model(ids, numeric_values=values)
     assert calls == ["read_without_numbers", "read"]
+
+
+def test_every_output_of_the_path_is_in_the_graph_in_training_with_numbers_or_without(model):
+    """ZeRO-3 hooks the backward of each output of a module that needs a gradient, so that every rank must see as
+    many: a batch without numbers (the short read) gives as many outputs in the graph as one with them, of the same
+    values as without the graph."""
+    path = model.abduction.context_values
+    ids, values = numbers_batch()
+    text = torch.randint(1, 100, (2, 12))
+    seen = {}
+    hook = path.register_forward_hook(lambda module, args, outputs: seen.setdefault(len(seen), outputs))
+    model.train()
+    model(ids, numeric_values=values, labels=ids)
+    model(text, labels=text)
+    model.eval()
+    with torch.no_grad():
+        model(text)
+    hook.remove()
+    numbers, short, evaluated = seen[0], seen[1], seen[2]
+    assert [t.requires_grad for t in short] == [t.requires_grad for t in numbers] == [True] * 4
+    for trained, plain in zip(short[:3], evaluated[:3], strict=True):
+        assert torch.equal(trained.detach(), plain)
