@@ -365,6 +365,9 @@ class ValueHeadStartCallback(TrainerCallback):
             return
         self._restore_start(model)
         self.refits[-1] = (step, self._start_fit)  # this step's record is the fit the model now holds
+        if self.trainer.is_world_process_zero():
+            logger.warning("The trained numeric embedding and abduction network predicted the held-out values worse "
+                           "than at the start: they were restored to the start's, with its value side.")
         if evaluated is None:
             return
         restored = _from_process_zero(_eval_value_nll(self.trainer, model)[0])
@@ -382,9 +385,6 @@ class ValueHeadStartCallback(TrainerCallback):
         """The features and the value side (read-out and path) as they were right after the start."""
         for name, param in _feature_parameters(model) + _start_value_side(model):
             param.copy_(self._start_features[name].to(param.device, param.dtype))
-        if self.trainer.is_world_process_zero():
-            logger.warning("The trained numeric embedding and abduction network predicted the training data's held-out "
-                           "values worse than at the start: they were restored to the start's, with its value side.")
 
     def _skip_refits(self, message: str) -> None:
         """Data without numbers has no read-out to fit: say so once, and refit nothing more."""
