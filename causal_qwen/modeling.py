@@ -239,7 +239,7 @@ class CausalQwenAction(nn.Module):
         if output_distributions:
             loc_s, scale_s = self.classify(loc_u, scale)
         if self.reg_head is not None:
-            loc_y, scale_y = self.regress(loc_u, scale, context)
+            loc_y, scale_y = self.regress(loc_u, self.value_noisy_scale(scale_u, scale), context)
         if targets is not None:
             head = (DecisionScores(loc_s, scale_s, self.threshold) if output_distributions else
                     FusedHead(loc_u, scale, self.cls_head.weight, self.cls_head.bias, self.threshold, self.scale_min,
@@ -281,6 +281,17 @@ class CausalQwenAction(nn.Module):
     def noisy_scale(self, scale_u: torch.Tensor) -> torch.Tensor:
         """scale_U' = scale_U + |b_noise|: the noise is Cauchy, so its scale adds to U's."""
         return scale_u + self.b_noise.abs().to(scale_u.dtype)
+
+    def value_noisy_scale(self, scale_u: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
+        """scale_U' as the value reads it: `noisy` (= `noisy_scale(scale_u)`) with b_noise out of the value's graph.
+
+        b_noise is the decisions' noise and the class loss alone trains it; the value's width has its own parameters
+        (γ_Y, the context path's ρ). Shared, the value's loss moved the class decisions through it, and text then
+        depended on whether the value reads the context (docs/design.md §1). The forward values are the same.
+        """
+        if not (torch.is_grad_enabled() and self.b_noise.requires_grad):
+            return noisy
+        return scale_u + self.b_noise.detach().abs().to(scale_u.dtype)
 
     def head_inputs(
         self,

@@ -177,25 +177,39 @@ def main() -> None:
     unknown = set(arms) - set(ARMS)
     if unknown:
         parser.error(f"unknown arms {sorted(unknown)}; choose among {ARMS}")
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
+    config = {} if args.context_values_log is None else {"context_values_log": args.context_values_log}
     profile = experiment.PROFILES["tiny" if args.tiny else "cpu"]
     tokenizer = CausalQwenTokenizer.from_pretrained(experiment.QWEN_DIR)
-    splits = task_splits(args.task, args.rows, args.seed)
+    results = prompt_completion(
+        Path(args.output), arms, profile=profile, tokenizer=tokenizer, seed=args.seed, steps=args.steps,
+        every=args.every, batch_size=args.batch_size, rows=args.rows, train_rows=args.train_rows, task=args.task,
+        config=config)
+    results["args"] = vars(args)
+    (Path(args.output) / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    print(table(results))
+    print(f"done in {results['seconds']:.0f} s; {Path(args.output) / 'results.json'}", flush=True)
+
+
+def prompt_completion(out: Path, arms: list[str], *, profile, tokenizer, seed: int = 0, steps: int = 12,
+                      every: int = 6, batch_size: int = 8, rows: int = 160, train_rows: int = 128,
+                      task: str = "tables", config: dict | None = None) -> dict:
+    """Train and measure each of `arms` from the same converted model; writes `results.json` and the plot into
+    `out` and returns the results (`table` prints them)."""
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    splits = task_splits(task, rows, seed)
     train = splits["train"]
-    random.Random(args.seed).shuffle(train)
-    train, test = train[:args.train_rows], experiment.with_target(splits["test"])
+    random.Random(seed).shuffle(train)
+    train, test = train[:train_rows], experiment.with_target(splits["test"])
     features = tokenize_examples(tokenizer, [pair(ex) for ex in train], max_length=128)
     held_out = tokenize_examples(tokenizer, [pair(ex) for ex in test[:4]], max_length=128)
     medians = table_medians(train)
     baseline = summary([medians[ex.template] for ex in test], test)
     print(f"{len(train)} training pairs, {len(test)} test pairs; training median baseline {baseline}", flush=True)
 
-    config = {} if args.context_values_log is None else {"context_values_log": args.context_values_log}
-    model = experiment.new_causal(profile, tokenizer, args.seed, **config)
+    model = experiment.new_causal(profile, tokenizer, seed, **(config or {}))
     trainable = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
-    results: dict = {"baseline": baseline, "arms": {}, "args": vars(args)}
+    results: dict = {"baseline": baseline, "arms": {}}
 
     def reset() -> None:
         with torch.no_grad():
@@ -213,10 +227,10 @@ def main() -> None:
         curve = Curve(lambda m: measure(m, tokenizer, test, profile.eval_batch),
                       lambda m: generated(m, tokenizer, test, profile.decode_batch))
         training_args = TrainingArguments(
-            output_dir=str(out / "run"), max_steps=args.steps, per_device_train_batch_size=args.batch_size,
+            output_dir=str(out / "run"), max_steps=steps, per_device_train_batch_size=batch_size,
             per_device_eval_batch_size=profile.eval_batch, learning_rate=profile.learning_rate, weight_decay=0.0,
-            logging_steps=args.every, eval_strategy="steps", eval_steps=args.every, save_strategy="no",
-            report_to=[], seed=args.seed, disable_tqdm=True, dataloader_pin_memory=False,
+            logging_steps=every, eval_strategy="steps", eval_steps=every, save_strategy="no",
+            report_to=[], seed=seed, disable_tqdm=True, dataloader_pin_memory=False,
             use_cpu=not torch.cuda.is_available())
         trainer = CausalQwenTrainer(
             model=model, args=training_args, train_dataset=features, eval_dataset=held_out,
@@ -248,8 +262,7 @@ def main() -> None:
     results["seconds"] = time.perf_counter() - started
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     plot(results, out / "keep_start_curve.png")
-    print(table(results))
-    print(f"done in {results['seconds']:.0f} s; {out / 'results.json'}", flush=True)
+    return results
 
 
 def related_texts(n: int, seed: int) -> list[dict]:

@@ -3,21 +3,27 @@
 One Qwen2.5-0.5B, one training set (the numeric corpus of `causal_qwen.data.make_splits` and the real-data tables of
 `causal_qwen.data.real_splits`), the same texts and the same number of optimizer steps for every arm:
 
-  (a)  CausalQwen as a user gets it: `CausalQwenForCausalLM.from_qwen(folder)` with every default, trained by
-       `CausalQwenTrainer` with its defaults (value head started from the data, per-module learning rates, the
-       numeric embedding training through the frozen backbone);
+  (a)  CausalQwen as a user gets it: `CausalQwenForCausalLM.from_qwen(folder)` with every default (the
+       context-value path of docs/design.md §1b on), trained by `CausalQwenTrainer` with its defaults (the value
+       side started from the data and held, per-module learning rates), and measured also right after its start
+       from data, before any step (`a_start`), and with the path off (`from_qwen(folder, context_values=False)`,
+       `a_off`, the same training);
   (b)  Qwen2 with a trainable untied lm_head (a copy of the tied embedding), cross-entropy on numbers as digits,
        trained by transformers' `Trainer`;
   (b2) as (b), plus the Number Token Loss of the `ntloss` package (CE + 0.3 · NTL, the authors' recommendation),
        through `Trainer(compute_loss_func=...)`;
   (c)  the trivial baseline: the training mean / median of each template's target (`template_baselines`).
 
-Nothing is cached: (a) trains w_num and d_num, which feed the backbone, so no cache of the backbone would be exact.
+Nothing is cached: every arm goes through the public path as a user's run does.
 
 Targets: (a) predicts the target number by the median loc_Y at the position before the target's `<NUM>` (standard
 mode, with its 50% / 90% Cauchy intervals), and also by `model.generate` in standard mode from the text before the
 target; (b)/(b2) by greedy decoding of digits after the text before the target, parsed with
 `causal_qwen.numbers.find_numbers`.
+
+Then the real tables as prompt/completion pairs whose completion is the target number alone (labels only on it),
+the default arm of `experiments/keep_start.py` (`--no-prompt-completion` leaves it out): the value right after the
+start and after training, and the share of test prompts where standard-mode `generate` writes `<NUM>` first.
 
 Optionally (`--sweep`) short runs of (a) read on the validation split compare the choices the defaults rest on.
 
@@ -149,11 +155,13 @@ class CurveCallback(TrainerCallback):
     """Evaluate a function of the model before the first step (after the value-head start) and every `every`
     steps (the learning curves)."""
 
-    def __init__(self, every: int, measure):
-        self.every, self.measure, self.points = every, measure, []
+    def __init__(self, every: int, measure, at_start=None):
+        self.every, self.measure, self.at_start, self.points = every, measure, at_start, []
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         if state.global_step == 0 and not self.points:
+            if self.at_start is not None:  # a fuller measurement of the start
+                self.at_start(model)
             self.points.append({"step": 0, **self.measure(model)})
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
@@ -478,6 +486,69 @@ def run_sweep(profile: Profile, tokenizer, data: dict, out: Path, seed: int, lap
     return rows
 
 
+# The arms of CausalQwen: the config beyond `from_qwen`'s defaults.
+CAUSAL_ARMS = {"a": {}, "a_off": {"context_values": False}}
+
+
+def run_causal_arm(name: str, config: dict, profile: Profile, tokenizer, data: dict, out: Path, seed: int,
+                   results: dict, lap) -> list[dict]:
+    """Train one CausalQwen arm with `CausalQwenTrainer`, measure it right after its start from data (arm
+    `{name}_start`) and after training on every split, and return the trainer's log history."""
+    eval_splits = tuple(results["per_template"])
+    model = new_causal(profile, tokenizer, seed, **config)
+
+    def value_curve(m) -> dict:
+        targets = causal_targets(m, tokenizer, data["validation"], profile.eval_batch)
+        m.train()
+        return {"reg_rel_err_median": point_metrics(targets["median"], targets["true"])["reg_rel_err_median"],
+                **interval_metrics(targets), "w_num_norm": m.numeric_embedding.w_num.norm().item(),
+                "b_reg": m.action.reg_head.bias.item(), "gamma_y": m.action.reg_log_noise.exp().item()}
+
+    def measured(m, generate: bool) -> dict:
+        # Every split of the test data, as a user's evaluation reads it; the learning curve reads validation.
+        was_training = m.training
+        m.eval()
+        arm = {}
+        for split in eval_splits:
+            targets = causal_targets(m, tokenizer, data[split], profile.eval_batch)
+            arm[split] = {"positions": causal_positions(m, tokenizer, data[split], profile.eval_batch, seed),
+                          "target": {**point_metrics(targets["median"], targets["true"]), **interval_metrics(targets)},
+                          "per_template": per_template(targets["median"], targets["examples"]), "targets": targets}
+            if generate:
+                values, examples = causal_generated(m, tokenizer, data[split], profile.decode_batch), with_target(
+                    data[split])
+                arm[split]["generated"] = point_metrics(values, [ex.target_value for ex in examples])
+                arm[split]["per_template_generated"] = per_template(values, examples)
+        m.train(was_training)
+        return arm
+
+    start: dict = {}
+    curve = CurveCallback(max(1, profile.steps // 8), value_curve,
+                          at_start=lambda m: start.update(measured(m, generate=False)))
+    w_num_start = model.numeric_embedding.w_num.detach().clone()
+    trainer = train_causal(model, tokenizer, data["train"], profile, out / name, seed, curve=curve)
+    results.setdefault("value_head_fit", {})[name] = model.config.value_head_fit
+    results["curves"][name] = curve.points
+    results.setdefault("w_num_relative_change", {})[name] = (
+        (model.numeric_embedding.w_num - w_num_start).norm() / w_num_start.norm()).item()
+    lap(f"train ({name}), its start measured")
+    for arm, measurement in ((f"{name}_start", start), (name, measured(model, generate=True))):
+        results["arms"][arm] = {}
+        for split in eval_splits:
+            cell = measurement[split]
+            results["per_template"][split][arm] = cell.pop("per_template")
+            targets = cell.pop("targets")
+            if "per_template_generated" in cell:
+                results["per_template"][split][f"{arm} (generate)"] = cell.pop("per_template_generated")
+            results["arms"][arm][split] = cell
+            if arm == name:
+                plot_predictions(model, _stats_for_plot(targets), out / f"{arm}_predictions_{split}.png")
+    lap(f"eval ({name})")
+    model.save_pretrained(out / name / "final")
+    tokenizer.save_pretrained(out / name / "final")
+    return trainer.state.log_history
+
+
 def run(args: argparse.Namespace) -> dict:
     profile = replace(PROFILES[args.profile], **{k: v for k, v in (
         ("n_train", args.num_train), ("steps", args.steps), ("batch_size", args.batch_size),
@@ -511,43 +582,20 @@ def run(args: argparse.Namespace) -> dict:
         return results
     results["sweep"] = []
 
-    # (a) CausalQwen, every default.
-    model = new_causal(profile, num_tokenizer, args.seed)
-    validation = data["validation"]
+    # (a) CausalQwen, every default (the context-value path on), and with the path off; each measured right after
+    # its start from data too.
+    histories = {}
+    for name, config in CAUSAL_ARMS.items():
+        histories[name] = run_causal_arm(name, config, profile, num_tokenizer, data, out, args.seed, results, lap)
+    # Real tables as prompt/completion pairs, the completion one number (experiments/keep_start.py, its default arm).
+    if not args.no_prompt_completion:
+        import keep_start
 
-    def value_curve(m) -> dict:
-        targets = causal_targets(m, num_tokenizer, validation, profile.eval_batch)
-        m.train()
-        return {"reg_rel_err_median": point_metrics(targets["median"], targets["true"])["reg_rel_err_median"],
-                **interval_metrics(targets), "w_num_norm": m.numeric_embedding.w_num.norm().item(),
-                "b_reg": m.action.reg_head.bias.item(), "gamma_y": m.action.reg_log_noise.exp().item()}
-
-    curve = CurveCallback(max(1, profile.steps // 8), value_curve)
-    w_num_start = model.numeric_embedding.w_num.detach().clone()
-    trainer = train_causal(model, num_tokenizer, data["train"], profile, out / "a", args.seed, curve=curve)
-    results["value_head_fit"] = model.config.value_head_fit
-    results["curves"]["a"] = curve.points
-    results["w_num_relative_change"] = ((model.numeric_embedding.w_num - w_num_start).norm()
-                                        / w_num_start.norm()).item()
-    histories = {"a": trainer.state.log_history}
-    lap("train (a)")
-    results["arms"]["a"] = {}
-    for split in eval_splits:
-        targets = causal_targets(model, num_tokenizer, data[split], profile.eval_batch)
-        generated = causal_generated(model, num_tokenizer, data[split], profile.decode_batch)
-        positions = causal_positions(model, num_tokenizer, data[split], profile.eval_batch, args.seed)
-        results["arms"]["a"][split] = {
-            "positions": positions,
-            "target": {**point_metrics(targets["median"], targets["true"]), **interval_metrics(targets)},
-            "generated": point_metrics(generated, [ex.target_value for ex in with_target(data[split])]),
-        }
-        results["per_template"][split]["a"] = per_template(targets["median"], targets["examples"])
-        results["per_template"][split]["a (generate)"] = per_template(generated, with_target(data[split]))
-        plot_predictions(model, _stats_for_plot(targets), out / f"a_predictions_{split}.png")
-    lap("eval (a)")
-    model.save_pretrained(out / "a" / "final")
-    num_tokenizer.save_pretrained(out / "a" / "final")
-    del model, trainer
+        completion = keep_start.prompt_completion(out / "prompt_completion", ["default"], profile=profile,
+                                                  tokenizer=num_tokenizer, seed=args.seed)
+        results["prompt_completion"] = completion
+        (out / "prompt_completion.md").write_text(keep_start.table(completion) + "\n", encoding="utf-8")
+        lap("prompt/completion (a)")
 
     # (b) and (b2): Qwen + CE, Qwen + CE + NTL.
     try:
@@ -586,7 +634,7 @@ def run(args: argparse.Namespace) -> dict:
 
     for name, history in histories.items():
         plot_loss_curves(history, out / f"loss_{name}.png")
-    _plot_curves(results["curves"]["a"], out / "a_value_curve.png")
+    _plot_curves(results["curves"], out / "a_value_curve.png")
     timings["total"] = round(time.perf_counter() - started, 1)
     results.update({
         "command": args.command_line, "profile": asdict(profile), "seed": args.seed, "timings_s": timings,
@@ -610,25 +658,30 @@ def _stats_for_plot(targets: dict) -> torch.Tensor:
     return stats
 
 
-def _plot_curves(points: list[dict], path: Path) -> None:
+def _plot_curves(curves: dict[str, list[dict]], path: Path) -> None:
+    """The learning curves of the CausalQwen arms on the validation split, one line per arm."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if not points:
+    curves = {arm: points for arm, points in curves.items() if points}
+    if not curves:
         return
-    steps = [p["step"] for p in points]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    axes[0].plot(steps, [p["reg_rel_err_median"] for p in points], marker="o")
+    for arm, points in curves.items():
+        steps, label = [p["step"] for p in points], ARM_NAMES.get(arm, arm)
+        axes[0].plot(steps, [p["reg_rel_err_median"] for p in points], marker="o", label=label)
+        axes[1].plot(steps, [p["reg_coverage_50"] for p in points], marker="o", label=f"{label}, 50%")
+        axes[1].plot(steps, [p["reg_coverage_90"] for p in points], marker="s", label=f"{label}, 90%")
+        axes[2].plot(steps, [p["gamma_y"] for p in points], marker="o", label=f"{label}, γ_Y")
     axes[0].set(title="value: median relative error (validation)", xlabel="step")
-    axes[1].plot(steps, [p["reg_coverage_50"] for p in points], marker="o", label="50% interval")
-    axes[1].plot(steps, [p["reg_coverage_90"] for p in points], marker="o", label="90% interval")
+    axes[0].legend()
+    axes[1].axhline(0.5, color="grey", linewidth=0.8, linestyle="--")
+    axes[1].axhline(0.9, color="grey", linewidth=0.8, linestyle="--")
     axes[1].set(title="interval coverage (validation)", xlabel="step", ylim=(0, 1.05))
-    axes[1].legend()
-    axes[2].plot(steps, [p["w_num_norm"] for p in points], marker="o", label="‖w_num‖")
-    axes[2].plot(steps, [p["gamma_y"] for p in points], marker="o", label="γ_Y")
-    axes[2].set(title="parameters", xlabel="step")
+    axes[1].legend(fontsize=7)
+    axes[2].set(title="the value's own noise scale", xlabel="step")
     axes[2].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -639,7 +692,9 @@ def _plot_curves(points: list[dict], path: Path) -> None:
 # Tables
 # ----------------------------------------------------------------------------------------------------------------
 
-ARM_NAMES = {"a": "(a) CausalQwen", "b": "(b) Qwen + CE", "b2": "(b2) Qwen + CE + 0.3·NTL",
+ARM_NAMES = {"a": "(a) CausalQwen", "a_start": "(a) right after its start, no step",
+             "a_off": "(a) with the path off", "a_off_start": "(a) with the path off, after its start",
+             "b": "(b) Qwen + CE", "b2": "(b2) Qwen + CE + 0.3·NTL",
              "c_mean": "(c) template mean", "c_median": "(c) template median"}
 SPLIT_NAMES = {"test": "corpus test split", "real_test": "real-data test split",
                "extrapolation": "extrapolation split"}
@@ -669,15 +724,17 @@ def markdown(results: dict) -> str:
             lines.append(f"| {name} | {_fmt(m['reg_mdae'])} | {_fmt(m['reg_mae'])} | {_fmt(m['reg_r2'])} | "
                          f"{_fmt(m['reg_r2_symlog'])} | {_fmt(m['reg_rel_err_median'])} | "
                          f"{_fmt(m.get('reg_coverage_50'))} | {_fmt(m.get('reg_coverage_90'))} | {_fmt(written)} |")
-        if "a" in results["arms"]:
-            g = results["arms"]["a"][split]["generated"]
-            lines.append(f"| (a) by `generate` (standard mode) | {_fmt(g['reg_mdae'])} | {_fmt(g['reg_mae'])} | "
-                         f"{_fmt(g['reg_r2'])} | {_fmt(g['reg_r2_symlog'])} | {_fmt(g['reg_rel_err_median'])} | — | — "
-                         f"| {_fmt(g['parse_rate'])} |")
+        for arm in CAUSAL_ARMS:
+            if arm not in results["arms"]:
+                continue
+            g = results["arms"][arm][split]["generated"]
+            lines.append(f"| {ARM_NAMES[arm]} by `generate` (standard mode) | {_fmt(g['reg_mdae'])} | "
+                         f"{_fmt(g['reg_mae'])} | {_fmt(g['reg_r2'])} | {_fmt(g['reg_r2_symlog'])} | "
+                         f"{_fmt(g['reg_rel_err_median'])} | — | — | {_fmt(g['parse_rate'])} |")
         lines += ["", f"### All positions, {title}", "",
                   "| arm | accuracy | num_f1 | ppl_softmax | ppl_ovr | ovr_prob_sum_median |", "|---" * 6 + "|"]
-        for arm in ("a", "b", "b2"):
-            if arm not in results["arms"]:
+        for arm in ARM_NAMES:
+            if "positions" not in results["arms"].get(arm, {}).get(split, {}):
                 continue
             m = results["arms"][arm][split]["positions"]
             lines.append(f"| {ARM_NAMES[arm]} | {_fmt(m['eval/accuracy'])} | {_fmt(m['eval/num_f1'])} | "
@@ -692,16 +749,23 @@ def markdown(results: dict) -> str:
         for template in [*templates, "mean over templates"]:
             lines.append(f"| {template} | " + " | ".join(_fmt(table[a].get(template)) for a in arms) + " |")
         lines.append("")
-    if results.get("curves", {}).get("a"):
-        lines += ["### Learning curve of (a) on the validation split", "",
+    for arm, points in results.get("curves", {}).items():
+        if not points:
+            continue
+        lines += [f"### Learning curve of {ARM_NAMES.get(arm, arm)} on the validation split", "",
                   "| step | median rel. err. | coverage 50% | coverage 90% | ‖w_num‖ | b_reg | γ_Y |",
                   "|---|---|---|---|---|---|---|"]
-        for p in results["curves"]["a"]:
+        for p in points:
             lines.append(f"| {p['step']} | {_fmt(p['reg_rel_err_median'])} | {_fmt(p['reg_coverage_50'])} | "
                          f"{_fmt(p['reg_coverage_90'])} | {_fmt(p['w_num_norm'])} | {_fmt(p['b_reg'])} | "
                          f"{_fmt(p['gamma_y'])} |")
-        lines += ["", f"Value-head start: `{results.get('value_head_fit')}`; w_num moved by "
-                      f"{_fmt(results.get('w_num_relative_change'))} of its norm.", ""]
+        lines += ["", f"Value-head start: `{results.get('value_head_fit', {}).get(arm)}`; w_num moved by "
+                      f"{_fmt(results.get('w_num_relative_change', {}).get(arm))} of its norm.", ""]
+    if results.get("prompt_completion"):
+        import keep_start
+
+        lines += ["### Real tables as prompt/completion, the completion one number (the default arm)", "",
+                  keep_start.table(results["prompt_completion"]), ""]
     if results.get("sweep"):
         lines += ["### Sweep of (a) on the validation split", "",
                   "| run | median rel. err. | mean over templates | coverage 50% | coverage 90% | accuracy | num_f1 "
@@ -731,6 +795,8 @@ def main() -> None:
                         help="run the short runs of SWEEP on validation instead of the arms")
     parser.add_argument("--sweep-steps", type=int)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: all cores)")
+    parser.add_argument("--no-prompt-completion", action="store_true",
+                        help="leave out the real tables as prompt/completion pairs (experiments/keep_start.py)")
     args = parser.parse_args()
     args.command_line = "python experiments/run_experiment.py " + " ".join(sys.argv[1:])
     if args.threads:

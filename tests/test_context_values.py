@@ -354,6 +354,25 @@ def test_training_reaches_the_path(model):
         assert all(g is not None and g.abs().sum() > 0 for g in grads.values()), output_distributions
 
 
+def test_the_class_decisions_train_the_same_with_the_path_on_or_off(model):
+    """The decisions do not read the path and the value's loss does not train b_noise (docs/design.md §1), so with
+    numbers in the text the class side's gradients are the model's without the path, bit for bit."""
+    config = CausalQwenConfig(**{**model.config.to_dict(), "context_values": False})
+    without = CausalQwenForCausalLM(config)
+    without.load_state_dict(model.state_dict(), strict=False)
+    ids, values = numbers_batch()
+    grads = []
+    for m in (model, without):
+        m.train().zero_grad(set_to_none=True)
+        out = m(ids, numeric_values=values, labels=ids)
+        assert out.reg_loss > 0
+        out.loss.backward()
+        grads.append({name: p.grad for name, p in m.action.named_parameters() if not name.startswith("reg_")})
+    assert set(grads[0]) == {"cls_head.weight", "cls_head.bias", "b_noise"}
+    for name, grad in grads[0].items():
+        assert grad.abs().sum() > 0 and torch.equal(grad, grads[1][name]), name
+
+
 @pytest.mark.parametrize("transform", ["symlog", "identity"])
 @pytest.mark.parametrize("form", ["symlog", "log"])
 def test_the_combinations_start_with_a_gradient(transform, form):

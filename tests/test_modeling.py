@@ -508,6 +508,37 @@ def test_regression_noise_adds_a_learnable_value_scale(tiny_qwen, tmp_path):
         CausalQwenForCausalLM.from_qwen(tiny_qwen, use_numeric=False, regression_noise=1.0)
 
 
+@pytest.mark.parametrize("regression_noise", [1.0, 0.0])
+def test_the_values_loss_does_not_train_b_noise(tiny_qwen, regression_noise):
+    # docs/design.md §1: b_noise is the decisions' noise. Its gradient is the class loss's alone, on both loss
+    # paths; the value's loss reaches the value head and the features, and scale_Y still reads |b_noise|.
+    model = build(tiny_qwen, regression_noise=regression_noise, context_values=False)
+    randomize_heads(model)
+    ids = torch.randint(0, 100, (2, 8))
+    ids[:, 3], ids[1, 6] = NUM, NUM
+    values = torch.zeros(2, 8, dtype=torch.float64)
+    values[:, 3], values[1, 6] = torch.tensor([12.0, -3.0], dtype=torch.float64), 250.0
+    act = model.action
+    model.train()
+    for full in (False, True):
+        grads = {}
+        for term in ("loss", "cls_loss", "reg_loss"):
+            model.zero_grad(set_to_none=True)
+            out = model(ids, numeric_values=values, labels=ids, output_distributions=full)
+            getattr(out, term).backward()
+            grads[term] = (act.b_noise.grad, act.reg_head.weight.grad, model.abduction.loc_net.weight.grad)
+        assert grads["reg_loss"][0] is None or not grads["reg_loss"][0].any()
+        assert grads["reg_loss"][1].abs().sum() > 0 and grads["reg_loss"][2].abs().sum() > 0
+        assert grads["cls_loss"][0].abs().sum() > 0
+        torch.testing.assert_close(grads["loss"][0], grads["cls_loss"][0], rtol=1e-6, atol=0.0)
+    with torch.no_grad():
+        out = model(ids, numeric_values=values)
+    want = (out.scale_U.double() + act.b_noise.double().abs()) @ act.reg_head.weight.double()[0].abs()
+    if regression_noise:
+        want = want + act.reg_log_noise.double().exp()
+    torch.testing.assert_close(out.scale_Y.double(), want.clamp(min=model.config.scale_min), rtol=1e-5, atol=1e-7)
+
+
 def test_checkpoint_with_a_0_dim_value_noise_loads_on_both_paths(tiny_qwen, tmp_path):
     # Checkpoints written while action.reg_log_noise was 0-dim: from_pretrained (transformers' weight conversions)
     # and load_state_dict (torch's module hooks) are separate paths, and each reads it as the [1] vector it is now.
