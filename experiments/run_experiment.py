@@ -563,6 +563,8 @@ def run(args: argparse.Namespace) -> dict:
         timings[name] = round(time.perf_counter() - last, 1)
         last = time.perf_counter()
         print(f"[{last - started:7.1f}s] {name}: {timings[name]}s", flush=True)
+        # What is measured so far, should a long run stop before its end.
+        (out / "results.partial.json").write_text(json.dumps({**results, "timings_s": timings}, default=str))
 
     data = load_data(profile, args.seed)
     num_tokenizer = CausalQwenTokenizer.from_pretrained(QWEN_DIR)
