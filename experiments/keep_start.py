@@ -25,9 +25,11 @@ share of test prompts where standard-mode `generate` writes `<NUM>` first (and t
     python experiments/keep_start.py --tiny-mechanisms --output /tmp/keep_start   # the mechanisms, tiny model
     python experiments/keep_start.py --merge A/results.json B/results.json --output runs/keep_start  # arms run apart
     python experiments/keep_start.py --task ratio --arms default --context-values-log symlog   # a ratio, old log
+    python experiments/keep_start.py --task repeat --arms default   # a stated value asked for again
 
 `--task ratio` asks instead for a ratio of two stated values, as a price per carat is: each row of cars written
 with its horsepower and weight, the completion its pounds per horsepower (weight / horsepower, 2 decimals).
+`--task repeat` writes each Seattle row with its high, low and precipitation and then asks for the high again.
 `--context-values-log` converts with the path's other log form (docs/math.md).
 """
 
@@ -81,10 +83,29 @@ def ratio_example(example: NumericExample) -> NumericExample:
                                target_char_span=(len(prompt), len(prompt) + len(number)))
 
 
+_SEATTLE = re.compile(r"In Seattle on (?P<date>[^,]+), (?P<year>\d{4}), a (?P<weather>[^,]+) day, ")
+
+
+def repeat_example(example: NumericExample) -> NumericExample:
+    """A Seattle row stating its high, low and rain, asking for the high again: a stated value repeated."""
+    found, fields = _SEATTLE.match(example.text), example.inputs
+    prompt = (f"In Seattle on {found['date']}, {found['year']}, a {found['weather']} day, the high was "
+              f"{fields['high']:g} °C and the low {example.target_value:g} °C, with {fields['rain']:g} mm of "
+              f"precipitation. The day's high, in °C: ")
+    number = f"{fields['high']:g}"
+    return dataclasses.replace(example, text=prompt + number + ".", template="seattle_high_repeated",
+                               variant="high_repeated", target_value=float(number),
+                               target_char_span=(len(prompt), len(prompt) + len(number)))
+
+
 def task_splits(task: str, rows: int, seed: int) -> dict[str, list[NumericExample]]:
-    """The real tables (`tables`), or the cars rows asking for a ratio (`ratio`)."""
+    """The real tables (`tables`), the cars rows asking for a ratio (`ratio`), or the Seattle rows asking for a
+    stated value again (`repeat`)."""
     if task == "tables":
         return real_splits(n_per_dataset=rows, seed=seed)
+    if task == "repeat":
+        return {split: [repeat_example(ex) for ex in examples]
+                for split, examples in real_splits(names=["seattle_weather"], seed=seed).items()}
     return {split: [ratio_example(ex) for ex in examples]
             for split, examples in real_splits(names=["cars"], seed=seed).items()}
 
@@ -157,8 +178,9 @@ def main() -> None:
     parser.add_argument("--train-rows", type=int, default=128, help="training pairs kept (the tables mixed)")
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--task", default="tables", choices=("tables", "ratio"),
-                        help="the real tables, or cars rows asking for their pounds per horsepower (every cars row)")
+    parser.add_argument("--task", default="tables", choices=("tables", "ratio", "repeat"),
+                        help="the real tables, cars rows asking for their pounds per horsepower (every cars row), "
+                             "or Seattle rows asking for their stated high again (every Seattle row)")
     parser.add_argument("--context-values-log", choices=("log", "symlog"),
                         help="convert with this log of the path's log-space combination (default: the library's)")
     parser.add_argument("--tiny", action="store_true", help="a tiny random backbone (checks the pipeline)")
