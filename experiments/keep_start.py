@@ -13,6 +13,8 @@ every default), trained by `CausalQwenTrainer` on the same pairs in the same ord
              features it reads trained (`train_value_features=True`);
   default    the library's default: the read-out and the features it reads held out of the optimizer (the value
              side stays the start's); the `<NUM>` decision started with the prompt's own next tokens as negatives.
+  trl        the default through TRL: `CausalQwenSFTTrainer` on the pairs as a `datasets.Dataset`, with
+             `SFTConfig`'s own defaults (bf16 mixed precision, gradient checkpointing, learning rate 2e-5).
 
 Measured on the held-out test rows, in one process: the target's median relative error (the median loc_Y at the
 position before the target's `<NUM>`, teacher-forced, which for a causal model is what the prompt alone gives), 50% /
@@ -58,7 +60,7 @@ from causal_qwen.labels import next_token_targets  # noqa: E402
 from causal_qwen.starts import refit_value_readout  # noqa: E402
 from causal_qwen.training import LEARNING_RATE_SCALES, CausalQwenTrainer  # noqa: E402
 
-ARMS = ("old", "low rate", "refit", "features", "default")
+ARMS = ("old", "low rate", "refit", "features", "default", "trl")
 
 
 def pair(example: NumericExample) -> dict[str, str]:
@@ -248,17 +250,21 @@ def prompt_completion(out: Path, arms: list[str], *, profile, tokenizer, seed: i
                                               if arm == "low rate" else {})}
         curve = Curve(lambda m: measure(m, tokenizer, test, profile.eval_batch),
                       lambda m: generated(m, tokenizer, test, profile.decode_batch))
-        training_args = TrainingArguments(
-            output_dir=str(out / "run"), max_steps=steps, per_device_train_batch_size=batch_size,
-            per_device_eval_batch_size=profile.eval_batch, learning_rate=profile.learning_rate, weight_decay=0.0,
-            logging_steps=every, eval_strategy="steps", eval_steps=every, save_strategy="no",
-            report_to=[], seed=seed, disable_tqdm=True, dataloader_pin_memory=False,
-            use_cpu=not torch.cuda.is_available())
-        trainer = CausalQwenTrainer(
-            model=model, args=training_args, train_dataset=features, eval_dataset=held_out,
-            data_collator=CausalQwenDataCollator.from_tokenizer(tokenizer), learning_rate_scales=scales,
-            refit_value_readout=arm in ("refit", "features", "default"),
-            train_value_features=arm != "default", callbacks=[curve])
+        if arm == "trl":
+            trainer = sft_trainer(model, tokenizer, train, test[:4], out, steps=steps, every=every,
+                                  batch_size=batch_size, eval_batch=profile.eval_batch, seed=seed, curve=curve)
+        else:
+            training_args = TrainingArguments(
+                output_dir=str(out / "run"), max_steps=steps, per_device_train_batch_size=batch_size,
+                per_device_eval_batch_size=profile.eval_batch, learning_rate=profile.learning_rate, weight_decay=0.0,
+                logging_steps=every, eval_strategy="steps", eval_steps=every, save_strategy="no",
+                report_to=[], seed=seed, disable_tqdm=True, dataloader_pin_memory=False,
+                use_cpu=not torch.cuda.is_available())
+            trainer = CausalQwenTrainer(
+                model=model, args=training_args, train_dataset=features, eval_dataset=held_out,
+                data_collator=CausalQwenDataCollator.from_tokenizer(tokenizer), learning_rate_scales=scales,
+                refit_value_readout=arm in ("refit", "features", "default"),
+                train_value_features=arm != "default", callbacks=[curve])
         if arm == "refit":
             release_readout(trainer)
         original = starts_module.known_next_tokens
@@ -285,6 +291,24 @@ def prompt_completion(out: Path, arms: list[str], *, profile, tokenizer, seed: i
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     plot(results, out / "keep_start_curve.png")
     return results
+
+
+def sft_trainer(model, tokenizer, train: list[NumericExample], held: list[NumericExample], out: Path, *, steps: int,
+                every: int, batch_size: int, eval_batch: int, seed: int, curve: TrainerCallback):
+    """`CausalQwenSFTTrainer` on the pairs as a `datasets.Dataset`, `SFTConfig`'s own defaults otherwise."""
+    from datasets import Dataset
+    from trl import SFTConfig
+
+    from causal_qwen.integrations.trl import CausalQwenSFTTrainer
+
+    args = SFTConfig(
+        output_dir=str(out / "run"), max_steps=steps, per_device_train_batch_size=batch_size,
+        per_device_eval_batch_size=eval_batch, logging_steps=every, eval_strategy="steps", eval_steps=every,
+        save_strategy="no", report_to=[], seed=seed, disable_tqdm=True, dataloader_pin_memory=False,
+        use_cpu=not torch.cuda.is_available(), max_length=128)
+    return CausalQwenSFTTrainer(
+        model=model, args=args, train_dataset=Dataset.from_list([pair(ex) for ex in train]),
+        eval_dataset=Dataset.from_list([pair(ex) for ex in held]), processing_class=tokenizer, callbacks=[curve])
 
 
 def related_texts(n: int, seed: int) -> list[dict]:
