@@ -52,6 +52,10 @@ _SCALES = (0.01, 100.0)
 # `_ROWS_PER_WIDTH_DIM` held-out rows (`_calibrate_width`).
 _CALIBRATION_DIMS = 4
 _ROWS_PER_WIDTH_DIM = 25
+# A combination or the mean whose removal raises the held-out NLL by at most this is switched off: its score is this
+# constant, whose weight in the float64 softmax is exactly 0 at every position.
+_UNUSED_TOLERANCE = 1e-3
+_OFF_SCORE = -1e4
 
 
 def held_out_rows(rows: int) -> int:
@@ -245,6 +249,9 @@ def fit_context_values(model, rows: ContextRows, x: torch.Tensor, scale_u: torch
     small = start(0)
     chosen = linear_only.state_dict() if best[1] is None else best[1]
     small.load_state_dict(chosen)
+    off = [] if best[1] is None else _switch_off_unused(
+        small, lambda: (loss(small, True), loss(small, True, calibration)))
+    chosen = _state(small)
     shift = torch.zeros(len(CANDIDATES) + 1, dtype=torch.float64)  # per entry of π̄
     reading = torch.zeros(0, dtype=torch.float64)
     if noise > 0 and int(held.sum()) >= _MIN_CALIBRATION_ROWS:
@@ -258,7 +265,31 @@ def fit_context_values(model, rows: ContextRows, x: torch.Tensor, scale_u: torch
     _write_back(path, chosen, mean, to_coords)
     return {"context_rows": n, "context_nll_linear": baseline, "context_nll": best[0], "context_step": best[2],
             "context_width_shift": shift.tolist(), "context_seed": best[3], "context_width_map": reading.tolist(),
-            "context_nll_before": as_it_is[0] if from_current else None}
+            "context_nll_before": as_it_is[0] if from_current else None, "context_off": off}
+
+
+@torch.no_grad()
+def _switch_off_unused(small, held_out_nll) -> list[str]:
+    """Switch off, one after the other, each candidate other than the read-out and the copies whose removal raises
+    neither held-out NLL (`held_out_nll()`: with the scaled copies, and as read) by more than `_UNUSED_TOLERANCE`;
+    returns their names.
+
+    The fit leaves a candidate it does not use at a share near 0 on its rows, where nothing bounds its weights or
+    its value. At a row unlike them the share can rise to a few hundredths while the value is far out: on Seattle
+    highs asked for again, a log-space combination of symlog −936 at a share of 0.012 read a high of 1.1 as −9,621
+    (docs/experiments.md, "A stated value repeated"). Off, its score is a constant, so no row brings it back."""
+    off = []
+    for index, name in enumerate(CANDIDATES[1:], start=1):
+        layer, row = (small.mean_score, 0) if name == "mean" else (small.choice, index)
+        kept = layer.weight[row].clone(), layer.bias[row].clone()
+        before = [float(nll) for nll in held_out_nll()]
+        layer.weight[row] = 0.0
+        layer.bias[row] = _OFF_SCORE
+        if all(float(nll) <= was + _UNUSED_TOLERANCE for nll, was in zip(held_out_nll(), before, strict=True)):
+            off.append(name)
+        else:
+            layer.weight[row], layer.bias[row] = kept
+    return off
 
 
 def _fit_from(small, loss, split, transform: str, noise: float) -> tuple[float, dict | None, int]:

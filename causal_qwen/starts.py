@@ -68,7 +68,7 @@ class ValueHeadFit:
     random start it kept, the map of the query's leading principal coordinates added to its log-width there
     (one weight per coordinate; docs/math.md), and in a refit the held-out value NLL of the path as it was, on the
     same rows (the step 0 candidate, as its widths were calibrated, which `context_nll` of the fit that wrote it
-    was measured before).
+    was measured before), and the candidates it switched off as unused (`context_start._switch_off_unused`).
     """
 
     positions: int
@@ -88,6 +88,7 @@ class ValueHeadFit:
     context_seed: int | None = None
     context_width_map: list[float] | None = None
     context_nll_before: float | None = None
+    context_off: list[str] | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

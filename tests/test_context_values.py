@@ -1088,3 +1088,45 @@ def test_every_output_of_the_path_is_in_the_graph_in_training_with_numbers_or_wi
     assert [t.requires_grad for t in short] == [t.requires_grad for t in numbers] == [True] * 4
     for trained, plain in zip(short[:3], evaluated[:3], strict=True):
         assert torch.equal(trained.detach(), plain)
+
+
+def _shares_far_from_the_rows(path) -> torch.Tensor:
+    """π̄ `[2, 8, 5]` of the path at queries far from any row (features 30 times the backbone's, in random directions)
+    over numbers of every size."""
+    torch.manual_seed(5)
+    queries = 30.0 * torch.randn(2, 8, path.query.in_features)
+    values = torch.exp(torch.randn(2, 8, dtype=torch.float64) * 6.0)
+    keys = path.keys(queries, queries.roll(1, dims=1))
+    entries = entry_values(torch.ones(2, 8, dtype=torch.bool), values, "symlog")
+    with torch.no_grad():
+        return path.read(queries, keys, entries, torch.ones(2, 8, 8, dtype=torch.bool).tril(), "symlog").choice
+
+
+def test_the_start_switches_off_the_candidates_it_does_not_use(tiny_qwen, monkeypatch):
+    """Where the target repeats a stated number, the start copies it and switches the combinations off: their share is
+    exactly 0 at every position, however far its features lie from the rows, so a combination's unbounded value
+    cannot move the location there. The same fit without the switch leaves them a share there."""
+    from causal_qwen import context_start
+    from causal_qwen.starts import fit_value_head
+
+    columns = {"log": 2, "raw": 3, "mean": 4}
+    shares = {}
+    for switch in (True, False):
+        if not switch:
+            monkeypatch.setattr(context_start, "_switch_off_unused", lambda small, nll: [])
+        model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM, context_values=True,
+                                                context_values_rank=RANK).eval()
+        fit = fit_value_head(model, _repeat_batches(20, seed=1), num_row=False)
+        assert fit.context_step > 0 and _repeat_error(model, _repeat_batches(3, seed=2)) < 0.05
+        shares[switch] = (fit.context_off, _shares_far_from_the_rows(model.abduction.context_values))
+        if switch:
+            assert {"log", "raw"} <= set(fit.context_off), fit.context_off
+            path = model.abduction.context_values
+            for name in fit.context_off:
+                layer, row = (path.mean_score, 0) if name == "mean" else (path.choice, columns[name] - 1)
+                assert torch.equal(layer.weight[row], torch.zeros_like(layer.weight[row])) and layer.bias[row] == -1e4
+    off, switched = shares[True]
+    for name in off:
+        assert switched[..., columns[name]].eq(0.0).all(), name
+    assert shares[False][0] == []
+    assert shares[False][1][..., [columns[name] for name in off]].max() > 0.0
