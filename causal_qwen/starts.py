@@ -68,7 +68,8 @@ class ValueHeadFit:
     random start it kept, the map of the query's leading principal coordinates added to its log-width there
     (one weight per coordinate; docs/math.md), and in a refit the held-out value NLL of the path as it was, on the
     same rows (the step 0 candidate, as its widths were calibrated, which `context_nll` of the fit that wrote it
-    was measured before), and the candidates it switched off as unused (`context_start._switch_off_unused`).
+    was measured before), and the candidates it switched off as unused (`context_start._switch_off_unused`; the
+    NLL of the path is the fit's before that, which each switch raised by at most 10⁻³ on the held-out rows).
     """
 
     positions: int
