@@ -69,6 +69,13 @@ def pair(example: NumericExample) -> dict[str, str]:
     return {"prompt": example.text[:start], "completion": example.text[start:end]}
 
 
+def _asking(example: NumericExample, prompt: str, number: str, after: str, template: str,
+            variant: str) -> NumericExample:
+    """`example` rewritten as `prompt`, its target `number`, then `after`."""
+    return dataclasses.replace(example, text=prompt + number + after, template=template, variant=variant,
+                               target_value=float(number), target_char_span=(len(prompt), len(prompt) + len(number)))
+
+
 _CAR = re.compile(r"The (?P<name>.+), a (?P<year>\d{4}) model from (?P<origin>[^,]+), has ")
 
 
@@ -79,10 +86,8 @@ def ratio_example(example: NumericExample) -> NumericExample:
     prompt = (f"The {found['name']}, a {found['year']} model from {found['origin']}, has "
               f"{fields['cylinders']:g} cylinders and {fields['horsepower']:g} horsepower and weighs "
               f"{fields['weight']:g} lbs: ")
-    number = f"{target:.2f}"
-    return dataclasses.replace(example, text=prompt + number + " lbs per horsepower.", template="cars_lbs_per_hp",
-                               variant="weight_per_horsepower", target_value=float(number),
-                               target_char_span=(len(prompt), len(prompt) + len(number)))
+    return _asking(example, prompt, f"{target:.2f}", " lbs per horsepower.", "cars_lbs_per_hp",
+                   "weight_per_horsepower")
 
 
 _SEATTLE = re.compile(r"In Seattle on (?P<date>[^,]+), (?P<year>\d{4}), a (?P<weather>[^,]+) day, ")
@@ -94,10 +99,7 @@ def repeat_example(example: NumericExample) -> NumericExample:
     prompt = (f"In Seattle on {found['date']}, {found['year']}, a {found['weather']} day, the high was "
               f"{fields['high']:g} °C and the low {example.target_value:g} °C, with {fields['rain']:g} mm of "
               f"precipitation. The day's high, in °C: ")
-    number = f"{fields['high']:g}"
-    return dataclasses.replace(example, text=prompt + number + ".", template="seattle_high_repeated",
-                               variant="high_repeated", target_value=float(number),
-                               target_char_span=(len(prompt), len(prompt) + len(number)))
+    return _asking(example, prompt, f"{fields['high']:g}", ".", "seattle_high_repeated", "high_repeated")
 
 
 def task_splits(task: str, rows: int, seed: int) -> dict[str, list[NumericExample]]:
@@ -105,11 +107,9 @@ def task_splits(task: str, rows: int, seed: int) -> dict[str, list[NumericExampl
     stated value again (`repeat`)."""
     if task == "tables":
         return real_splits(n_per_dataset=rows, seed=seed)
-    if task == "repeat":
-        return {split: [repeat_example(ex) for ex in examples]
-                for split, examples in real_splits(names=["seattle_weather"], seed=seed).items()}
-    return {split: [ratio_example(ex) for ex in examples]
-            for split, examples in real_splits(names=["cars"], seed=seed).items()}
+    table, rewrite = {"repeat": ("seattle_weather", repeat_example), "ratio": ("cars", ratio_example)}[task]
+    return {split: [rewrite(ex) for ex in examples]
+            for split, examples in real_splits(names=[table], seed=seed).items()}
 
 
 def labelled_next_tokens(batch) -> torch.Tensor:
