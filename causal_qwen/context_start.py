@@ -19,6 +19,7 @@ before each of those (which the keys read too; 0 at a text's start, as in the mo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -56,6 +57,12 @@ _ROWS_PER_WIDTH_DIM = 25
 # constant, whose weight in the float64 softmax is exactly 0 at every position.
 _UNUSED_TOLERANCE = 1e-3
 _OFF_SCORE = -1e4
+# The pointer is fitted to the copied numbers (`_fit_pointer`) where at least this many fitted rows repeat one of
+# several numbers.
+_MIN_POINTER_ROWS = 10
+_POINTER_DIMS = (4, 8, 16, 32, 64)
+_POINTER_STEPS = 200  # L-BFGS iterations of each form
+_POINTER_TOLERANCE = 1e-3  # held-out cross-entropy (nats per row) within which the simpler form is kept
 
 
 def held_out_rows(rows: int) -> int:
@@ -160,6 +167,95 @@ def _value(path, transform, rows: _Rows, noise):
 def _read(path, transform, rows: _Rows):
     own, before = rows.keys.chunk(2, dim=-1)
     return path.read(rows.queries[:, None], path.keys(own, before), rows.entries, rows.present[:, None], transform)
+
+
+def _copied_slots(rows: _Rows, transform: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which earlier numbers hold the target `[N, J]` (within `_COPY_TOLERANCE` of it, as `_with_scaled_copies`
+    finds them), and which rows tell them apart from another number in view `[N]`."""
+    values = rows.entries[..., 1]
+    target = untransform_values(rows.target, transform)
+    near = (values - target[:, None]).abs() <= _COPY_TOLERANCE * target.abs()[:, None]
+    near = near & rows.present & (target != 0)[:, None]
+    return near, near.any(-1) & (rows.present & ~near).any(-1)
+
+
+def _copy_scores(small, rows: _Rows) -> torch.Tensor:
+    """The copies' scores `[N, J]` of `small` on `rows` (−inf at the slots not in view), as `read` scores them."""
+    r = small.rank
+    own, before = rows.keys.chunk(2, dim=-1)
+    query = small.query(rows.queries)[:, None, :r]
+    key = small.keys(own, before)[..., :r]
+    return ((query * key).sum(-1) * r ** -0.5).masked_fill(~rows.present, float("-inf"))
+
+
+def _fit_pointer(small, split: dict, transform: str) -> bool:
+    """Fit the copies' scores by the cross-entropy of the pointer to the numbers that hold the target, at the rows
+    whose target repeats one of several numbers (`_copied_slots`); returns whether it did (not with fewer than
+    `_MIN_POINTER_ROWS` such rows fitted, or none held out).
+
+    Fitted by the value's error with the rest of the path, the pointer stayed split between numbers of similar size in
+    symlog space: on Seattle highs asked for again, 4% of the test rows put 0.15-0.79 of the weight on the year, the
+    low or the precipitation, which the width at its floor did not cover (docs/experiments.md, "A pointer fitted to
+    the copied number"). Which number a copy takes is known wherever the target repeats one, and the cross-entropy to
+    it is convex in the query, as a ratio's pair of roles is (`experiments/combination_roles.py`).
+
+    Several forms are fitted, each by L-BFGS, and the held-out cross-entropy chooses: keys of the role alone, the
+    words before each number (K'·z_{j−1}, the copies' rows of K at 0), or of the number's own features too; in the
+    leading 4 to 64 coordinates (`_POINTER_DIMS`). Of those within `_POINTER_TOLERANCE` of the best, the first of
+    that order: a number's own features carry its size, which the held-out rows share with the fitted ones (their
+    scaled copies have the same features) but new text need not, and on the Seattle rows fitted by Adam the pointer
+    with all 64 coordinates of them put 0.99 on the precipitation at the two coldest test days. A row whose number is
+    known by its own features alone (the first one of a text, say) is the reason for the second form."""
+    told = {part: _copied_slots(rows, transform) for part, rows in split.items()}
+    if int(told[False][1].sum()) < _MIN_POINTER_ROWS or not bool(told[True][1].any()):
+        return False
+    rows = {part: _Rows(*(t[told[part][1]] for t in split[part])) for part in split}
+    near = {part: told[part][0][told[part][1]] for part in split}
+
+    def cross_entropy(held_out: bool) -> torch.Tensor:
+        log_p = _copy_scores(small, rows[held_out]).log_softmax(-1)
+        return -log_p.masked_fill(~near[held_out], float("-inf")).logsumexp(-1).mean()
+
+    r, dims = small.rank, small.query.in_features
+    original = _state(small)
+    fits = []
+    for own in (False, True):
+        params = [small.query.weight, small.query.bias, small.key.bias, small.key_before.weight]
+        params += [small.key.weight] if own else []
+        for used in sorted({min(d, dims) for d in _POINTER_DIMS}):
+            small.load_state_dict(original)
+            with torch.no_grad():
+                for weight in (p for p in params if p.dim() == 2):
+                    weight[:r, used:] = 0.0
+                if not own:
+                    small.key.weight[:r] = 0.0
+            mask = (torch.arange(dims) < used).double()
+            hooks = [p.register_hook(lambda grad, mask=mask: torch.cat((
+                grad[:r] * (mask if grad.dim() == 2 else 1.0), torch.zeros_like(grad[r:])))) for p in params]
+            optimizer = torch.optim.LBFGS(params, max_iter=_POINTER_STEPS, line_search_fn="strong_wolfe")
+
+            def closure(optimizer=optimizer):
+                optimizer.zero_grad()
+                loss = cross_entropy(False)
+                loss.backward()
+                return loss
+
+            try:
+                with torch.enable_grad():  # the value head's start runs under no_grad
+                    optimizer.step(closure)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            with torch.no_grad():
+                held_out = float(cross_entropy(True))
+            if math.isfinite(held_out):
+                fits.append((held_out, _state(small)))
+    if not fits:
+        small.load_state_dict(original)
+        return False
+    best = min(held_out for held_out, _ in fits)
+    small.load_state_dict(next(state for held_out, state in fits if held_out <= best + _POINTER_TOLERANCE))
+    return True
 
 
 def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -312,11 +408,17 @@ def _fit_from(small, loss, split, transform: str, noise: float) -> tuple[float, 
     # fits, against 0.17-0.56 without (docs/experiments.md, "The combinations: a gradient at their start, and keys
     # of roles"). Their rows of K start at 0 and get no gradient; the copies' keep K·z_j.
     rank = small.rank
-    hook = small.key.weight.register_hook(lambda grad: torch.cat((grad[:rank], torch.zeros_like(grad[rank:]))))
+    hooks = [small.key.weight.register_hook(lambda grad: torch.cat((grad[:rank], torch.zeros_like(grad[rank:]))))]
+    # A pointer fitted to the copied numbers stays as it is: the value's error decides only how much to copy.
+    if _fit_pointer(small, split, transform):
+        located = [p for p in located if p is not small.key.weight]
+        hooks += [p.register_hook(lambda grad: torch.cat((torch.zeros_like(grad[:rank]), grad[rank:])))
+                  for p in (small.query.weight, small.query.bias, small.key.bias, small.key_before.weight)]
     try:
         best = _descend(small, located, absolute_error, linear_error)
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
     if best[1] is None:
         return best
     small.load_state_dict(best[1])

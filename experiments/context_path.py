@@ -12,13 +12,16 @@ per-module learning rates of the training, and `--train-value-features` trains t
 of the mechanism that keeps the start). `--fit-starts` and `--fit-seed` fit the path from other random starts than the
 library's, and `--no-key-before` holds the keys' read of the position before each number at 0 (the path's earlier
 form): the arms of "Keys that read the words before the number" in docs/experiments.md. The arm `log` is the path
-on with the log-space combination summing ln|v| (`context_values_log="log"`): "The log of the values" there.
+on with the log-space combination summing ln|v| (`context_values_log="log"`): "The log of the values" there. The arm
+`pointer-by-error` is the path on with its pointer fitted by the value's error with the rest of the path, not first
+to the copied numbers (`context_start._fit_pointer` left out): "A pointer fitted to the copied number" there.
 
     python experiments/context_path.py --output runs/context_path                 # the start only
     python experiments/context_path.py --steps 12 --output runs/context_path      # and after 12 steps
     python experiments/context_path.py --profile tiny --output /tmp/context_path  # the pipeline only
     python experiments/context_path.py --arms on --fit-starts 1 --fit-seed 2 --no-key-before   # one start, old key
     python experiments/context_path.py --arms on,log                              # the log of the values
+    python experiments/context_path.py --arms on,pointer-by-error                 # the pointer by the value's error
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -118,10 +122,21 @@ def ablate_path_fit(fit_starts: int | None, fit_seed: int, no_key_before: bool) 
 
 # The config of each arm beyond `from_qwen`'s defaults.
 ARMS = {"off": {"context_values": False}, "on": {"context_values": True},
-        "log": {"context_values": True, "context_values_log": "log"}}
+        "log": {"context_values": True, "context_values_log": "log"},
+        "pointer-by-error": {"context_values": True}}
+# The arms whose start's fit is the library's with one step left out: the pointer fitted with the rest of the path by
+# the value's error, not to the copied numbers first ("A pointer fitted to the copied number" in docs/experiments.md).
+FIT_ABLATIONS = {"pointer-by-error": ("_fit_pointer", lambda *args: False)}
 
 
 def run_arm(name: str, profile, tokenizer, data: dict, args) -> dict:
+    if name in FIT_ABLATIONS:
+        with mock.patch.object(context_start, *FIT_ABLATIONS[name]):
+            return _run_arm(name, profile, tokenizer, data, args)
+    return _run_arm(name, profile, tokenizer, data, args)
+
+
+def _run_arm(name: str, profile, tokenizer, data: dict, args) -> dict:
     t0 = time.perf_counter()
     model = experiment.new_causal(profile, tokenizer, args.seed, **ARMS[name]).eval()
     collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
