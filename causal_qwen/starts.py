@@ -69,7 +69,9 @@ class ValueHeadFit:
     (one weight per coordinate; docs/math.md), and in a refit the held-out value NLL of the path as it was, on the
     same rows (the step 0 candidate, as its widths were calibrated, which `context_nll` of the fit that wrote it
     was measured before), and the candidates it switched off as unused (`context_start._switch_off_unused`; the
-    NLL of the path is the fit's before that, which each switch raised by at most 10⁻³ on the held-out rows).
+    NLL of the path is the fit's before that, which each switch raised by at most 10⁻³ on the held-out rows), and
+    whether the fit it kept had its pointer fitted to the copied numbers first (`context_start._fit_pointer`; None:
+    the path as it was, or none kept).
     """
 
     positions: int
@@ -90,6 +92,7 @@ class ValueHeadFit:
     context_width_map: list[float] | None = None
     context_nll_before: float | None = None
     context_off: list[str] | None = None
+    context_pointer: bool | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -13,8 +13,9 @@ of the mechanism that keeps the start). `--fit-starts` and `--fit-seed` fit the 
 library's, and `--no-key-before` holds the keys' read of the position before each number at 0 (the path's earlier
 form): the arms of "Keys that read the words before the number" in docs/experiments.md. The arm `log` is the path
 on with the log-space combination summing ln|v| (`context_values_log="log"`): "The log of the values" there. The arm
-`pointer-by-error` is the path on with its pointer fitted by the value's error with the rest of the path, not first
-to the copied numbers (`context_start._fit_pointer` left out): "A pointer fitted to the copied number" there.
+`pointer-by-error` is the path on with its pointer fitted only by the value's error with the rest of the path: no
+start with it fitted to the copied numbers first (`context_start._fit_pointer`), "A pointer fitted to the copied
+number" there.
 
     python experiments/context_path.py --output runs/context_path                 # the start only
     python experiments/context_path.py --steps 12 --output runs/context_path      # and after 12 steps
@@ -124,9 +125,9 @@ def ablate_path_fit(fit_starts: int | None, fit_seed: int, no_key_before: bool) 
 ARMS = {"off": {"context_values": False}, "on": {"context_values": True},
         "log": {"context_values": True, "context_values_log": "log"},
         "pointer-by-error": {"context_values": True}}
-# The arms whose start's fit is the library's with one step left out: the pointer fitted with the rest of the path by
-# the value's error, not to the copied numbers first ("A pointer fitted to the copied number" in docs/experiments.md).
-FIT_ABLATIONS = {"pointer-by-error": ("_fit_pointer", lambda *args: False)}
+# The arms whose start's fit is the library's with one part left out: the starts whose pointer is fitted to the copied
+# numbers first ("A pointer fitted to the copied number" in docs/experiments.md).
+FIT_ABLATIONS = {"pointer-by-error": ("_copies_told", lambda *args: False)}
 
 
 def run_arm(name: str, profile, tokenizer, data: dict, args) -> dict:

@@ -1173,3 +1173,48 @@ def test_the_start_fits_the_pointer_to_the_copied_number(role):
     assert (weights * (roles == role)).sum(-1).min() > 0.99
     assert (weights * (roles == (role + 1) % 4)).sum(-1).max() < 0.01
     assert path.key.weight[:4].abs().max() == 0.0
+
+
+@pytest.mark.parametrize("ridge", [None, 0.0])
+def test_the_widths_calibration_leaves_a_coordinate_the_rows_do_not_vary_near_zero(ridge, monkeypatch):
+    """A path that copies the first of three numbers at every held-out row, whose targets are that number with Cauchy
+    noise of scale near 0.01, and queries one of whose coordinates hardly varies (standard deviation 10⁻³) while the
+    noise's scale follows it: the calibration gives the copies a width of 0.01 within a factor of 2 and that
+    coordinate a weight of at most 1 in the width's map, where without its ridge the same fit put more than 50 there
+    (a width that swings by e^±40 at an input where the coordinate moves by 1, as it does on other text)."""
+    from causal_qwen import context_start
+    from causal_qwen.cauchy import symlog
+    from causal_qwen.context_start import _calibrate_width, _Rows
+
+    if ridge is not None:
+        monkeypatch.setattr(context_start, "_CALIBRATION_RIDGE", ridge)
+    g = torch.Generator().manual_seed(0)
+    n, dims, slots = 100, 8, 3
+    values = torch.exp(torch.randn(n, slots, generator=g, dtype=torch.float64)) * 10
+    present = torch.ones(n, slots, dtype=torch.bool)
+    queries = torch.randn(n, dims, generator=g, dtype=torch.float64)
+    queries[:, 1] = 1e-3 * torch.randn(n, generator=g, dtype=torch.float64)
+    # The noise's scale moves with that coordinate on these rows (by e^±0.3), as it can by chance on a few rows.
+    scale = 0.01 * torch.exp(300.0 * queries[:, 1])
+    noise = scale * torch.tan(math.pi * (torch.rand(n, generator=g, dtype=torch.float64) - 0.5))
+    keys = torch.zeros(n, slots, 2 * dims, dtype=torch.float64)
+    keys[:, 0, dims] = 5.0  # the words before the first number
+    rows = _Rows(queries, keys, entry_values(present, values, "symlog"), present, torch.zeros(n, dtype=torch.float64),
+                 torch.full((n,), 0.1, dtype=torch.float64), symlog(values[:, 0]) + noise)
+    path = CausalQwenContextValues(dims, 2).double().eval()
+    path.reset_parameters(torch.Generator().manual_seed(0), keep_loaded=False)
+    with torch.no_grad():
+        for layer in (path.query, path.key):
+            layer.weight.zero_()
+            layer.bias.zero_()
+        path.key_before.weight.zero_()
+        path.query.bias[:2] = 4.0
+        path.key_before.weight[:2, 0] = 4.0  # copy scores of 80·√2 on the first number, 0 on the others
+        path.choice.bias.copy_(torch.tensor([-20.0, -60.0, -60.0]))
+        path.mean_score.bias.fill_(-60.0)
+    shift, reading = _calibrate_width(path, "symlog", rows, 1.0, 1e-6)
+    assert 0.005 < math.exp(shift[1]) < 0.02, shift
+    if ridge is None:
+        assert reading[1].abs() <= 1.0, reading
+    else:
+        assert reading[1].abs() > 50.0, reading
