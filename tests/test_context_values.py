@@ -624,7 +624,8 @@ def test_the_widths_are_calibrated_on_the_readouts_leave_one_out_residuals(model
     and on 128 one-number completions of real tables they narrowed the 50% intervals to cover 0.19 of the test
     targets. So the calibration reads the read-out's leave-one-out residuals. Rows without an earlier number leave
     the value to the read-out (π_0 = 1, ρ = exp(shift)), and its shift then has a closed check: the float64 minimiser,
-    found on a fine grid, of the Cauchy NLL of those residuals on every fifth row."""
+    found on a fine grid, of the Cauchy NLL of those residuals on every fifth row plus the calibration's ridge
+    10⁻²·shift² (docs/math.md)."""
     from causal_qwen.context_start import fit_context_values
 
     g = torch.Generator().manual_seed(3)
@@ -646,7 +647,8 @@ def test_the_widths_are_calibrated_on_the_readouts_leave_one_out_residuals(model
 
     def nll(shift, residuals):
         scale = (spread[held] + noise * math.exp(shift)).clamp(min=model.config.scale_min)
-        return float((torch.log(math.pi * scale) + torch.log1p((residuals[held] / scale) ** 2)).mean())
+        ridge = 1e-2 * shift ** 2
+        return float((torch.log(math.pi * scale) + torch.log1p((residuals[held] / scale) ** 2)).mean()) + ridge
 
     grid = [i / 2000 for i in range(-8000, 8001)]
     expected = min(grid, key=lambda shift: nll(shift, loo))
@@ -758,7 +760,7 @@ def test_a_path_is_kept_only_where_it_beats_the_read_out_on_the_rows_as_read(mod
         rows.present.append(torch.ones(1, dtype=torch.bool))
     candidate = {}
 
-    def always_copy(small, loss, split, transform, noise):
+    def always_copy(small, loss, split, transform, noise, pointer=False):
         with torch.no_grad():
             small.choice.bias.fill_(-40.0)
             small.mean_score.bias.fill_(-40.0)
