@@ -151,11 +151,9 @@ def _with_scaled_copies(rows: _Rows, transform: str) -> _Rows:
     chooses among its starts (docs/experiments.md, "Scaled copies")."""
     if not _SCALES:
         return rows
-    values = rows.entries[..., 1]
-    target = untransform_values(rows.target, transform)
-    near = (values - target[:, None]).abs() <= _COPY_TOLERANCE * target.abs()[:, None]
-    copies = (near & rows.present & (target != 0)[:, None]).any(-1)
-    kept, values, target = _Rows(*(t[copies] for t in rows)), values[copies], target[copies]
+    copies = _copied_slots(rows, transform)[0].any(-1)
+    values, target = rows.entries[..., 1][copies], untransform_values(rows.target, transform)[copies]
+    kept = _Rows(*(t[copies] for t in rows))
     parts = [rows] + [kept._replace(entries=entry_values(kept.present, values * scale, transform),
                                     target=transform_values(target * scale, transform)) for scale in _SCALES]
     return _Rows(*(torch.cat(columns) for columns in zip(*parts, strict=True)))
@@ -173,8 +171,8 @@ def _read(path, transform, rows: _Rows):
 
 
 def _copied_slots(rows: _Rows, transform: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which earlier numbers hold the target `[N, J]` (within `_COPY_TOLERANCE` of it, as `_with_scaled_copies`
-    finds them), and which rows tell them apart from another number in view `[N]`."""
+    """Which earlier numbers hold the target `[N, J]` (within `_COPY_TOLERANCE` of it, a nonzero target: the copies
+    that `_with_scaled_copies` rescales), and which rows tell them apart from another number in view `[N]`."""
     values = rows.entries[..., 1]
     target = untransform_values(rows.target, transform)
     near = (values - target[:, None]).abs() <= _COPY_TOLERANCE * target.abs()[:, None]
@@ -426,14 +424,14 @@ def _fit_from(small, loss, split, transform: str, noise: float,
     # The locations first, by their own loss (the median's): fitted by the NLL with the widths, a wider interval paid
     # for a half-made choice, and the choice between the read-out and a copy stayed soft. Then the widths by the NLL,
     # the locations fixed (docs/experiments.md has the table that chose this).
+    if pointer:  # the locations' fit starts from it
+        _fit_pointer(small, split, transform)
     widths = [small.width.weight, small.width.bias, small.width_by_choice, small.mean_width]
     located = [p for p in small.parameters() if all(p is not w for w in widths)]
     # The combinations' weight on a number reads its role, the words before it (K'·z_{j−1} + b_K), not its own
     # features, which carry its size: with K·z_j in them the repeat at unseen scales missed by 0.72-0.81 over three
     # fits, against 0.17-0.56 without (docs/experiments.md, "The combinations: a gradient at their start, and keys
     # of roles"). Their rows of K start at 0 and get no gradient; the copies' keep K·z_j.
-    if pointer:  # the locations' fit starts from it
-        _fit_pointer(small, split, transform)
     rank = small.rank
     hook = small.key.weight.register_hook(lambda grad: torch.cat((grad[:rank], torch.zeros_like(grad[rank:]))))
     try:
