@@ -62,12 +62,22 @@ def measure(model, tokenizer, data: dict, batch: int) -> dict:
         targets = experiment.causal_targets(model, tokenizer, data[split], batch)
         results[split] = {"per_template": experiment.per_template(targets["median"], targets["examples"]),
                           "pooled": pooled_error(targets["median"], targets["true"]),
-                          **experiment.interval_metrics(targets)}
+                          **experiment.interval_metrics(targets),
+                          "coverage_50_per_template": coverage_per_template(targets)}
     results["test"]["choice"] = choices(model, tokenizer, data["test"], batch)
     results["real_test"]["choice"] = choices(model, tokenizer, data["real_test"], batch)
     # num_f1, next-token accuracy and OvR perplexity on the test texts (docs/design.md §6).
     results["test"]["positions"] = experiment.causal_positions(model, tokenizer, data["test"], batch, 0)
     return results
+
+
+def coverage_per_template(targets: dict) -> dict[str, float]:
+    """The share of each template's targets inside their 50% interval: where a pooled coverage comes from."""
+    inside: dict[str, list[bool]] = {}
+    for ex, true, low, high in zip(targets["examples"], targets["true"], targets["low50"], targets["high50"],
+                                   strict=True):
+        inside.setdefault(ex.template, []).append(low <= true <= high)
+    return {name: sum(v) / len(v) for name, v in sorted(inside.items())}
 
 
 @torch.no_grad()
@@ -148,6 +158,8 @@ def _run_arm(name: str, profile, tokenizer, data: dict, args) -> dict:
     arm = {"fit": fit.to_dict(), "start": measure(model, tokenizer, data, profile.eval_batch),
            "start_seconds": time.perf_counter() - t0}
     print(f"{name}: start measured, {arm['start_seconds']:.0f}s", flush=True)
+    if args.save:
+        model.save_pretrained(Path(args.save) / name)
     if args.steps:
         trainer = experiment.train_causal(model, tokenizer, data["train"], profile, Path(args.output) / name,
                                           args.seed, steps=args.steps, scales=json.loads(args.scales),
@@ -179,6 +191,13 @@ def table(results: dict) -> str:
             coverage = (f"{cell['reg_coverage_50']:.2f} / {cell['reg_coverage_90']:.2f}"
                         if "reg_coverage_50" in cell else "")
             lines.append(f"| {name} | {errors} | {cell['pooled']:.3g} | {coverage} |")
+        covered = [(name, cell["coverage_50_per_template"]) for name, cell in rows
+                   if "coverage_50_per_template" in cell]
+        if covered:
+            lines += [f"\n{split}: coverage of the 50% interval per template",
+                      "| arm | " + " | ".join(templates[:-1]) + " |", "|---" * len(templates) + "|"]
+            lines += [f"| {name} | " + " | ".join(f"{cell.get(t, float('nan')):.2f}" for t in templates[:-1]) + " |"
+                      for name, cell in covered]
     lines += ["\ntest texts, every position: next-token accuracy, num_f1, OvR perplexity",
               "| arm | accuracy | num_f1 | ppl_ovr |", "|---|---|---|---|"]
     for name, arm in results["arms"].items():
@@ -214,6 +233,7 @@ def main() -> None:
     parser.add_argument("--num-train", type=int, help="override the profile's corpus training texts")
     parser.add_argument("--max-positions", type=int, default=4096,
                         help="value rows the start reads at most (fit_value_head's max_positions; the library's: 4096)")
+    parser.add_argument("--save", help="save each arm's model right after its start under this folder")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="runs/context_path")
     args = parser.parse_args()
