@@ -606,6 +606,15 @@ def test_the_starts_fit_reads_only_the_context_slots_some_row_fills():
         torch.testing.assert_close(padded, filled, rtol=1e-12, atol=1e-12)
 
 
+def _read_rows(path, rows, n: int):
+    """The path's read (symlog values) at the `n` start rows `rows` (`context_start.ContextRows`), one position each."""
+    queries, keys, values, present = rows.stacked(n)
+    with torch.no_grad():
+        own, before = keys.chunk(2, dim=-1)
+        return path.read(queries[:, None], path.keys(own, before).double(), entry_values(present, values, "symlog"),
+                         present[:, None], "symlog")
+
+
 def _rows_without_numbers(queries: torch.Tensor):
     """The path's start rows of queries `[N, H]` with no earlier number (two empty slots each)."""
     from causal_qwen.context_start import ContextRows
@@ -868,7 +877,6 @@ def test_the_start_chooses_the_mean_where_the_target_is_the_mean(model):
     the choice is below 1%."""
     from causal_qwen.cauchy import symexp, symlog
     from causal_qwen.context_start import ContextRows, fit_context_values
-    from causal_qwen.context_values import entry_values
 
     g = torch.Generator().manual_seed(3)
     hidden, action = model.config.hidden_size, model.action
@@ -899,12 +907,7 @@ def test_the_start_chooses_the_mean_where_the_target_is_the_mean(model):
     fit_context_values(model, rows, x, scale_u, y, starts=1)
 
     test, x, y, is_mean = rows_of(80, 1000.0)
-    queries, keys, values, present = test.stacked(80)
-    path = model.abduction.context_values
-    with torch.no_grad():
-        own, before = keys.chunk(2, dim=-1)
-        read = path.read(queries[:, None], path.keys(own, before).double(), entry_values(present, values, "symlog"),
-                         present[:, None], "symlog")
+    read = _read_rows(model.abduction.context_values, test, 80)
     loc = read.linear_weight[:, 0] * (x @ w + b) + read.offset[:, 0]
     error = ((symexp(loc) - symexp(y)).abs() / symexp(y).abs())
     assert error[is_mean].median() < 0.01, error[is_mean]
@@ -978,7 +981,6 @@ def test_the_start_leaves_the_copies_where_the_target_repeats_one_of_several_num
     one of the numbers, where the mean's score is fitted to stay low (the mean is not the target there)."""
     from causal_qwen.cauchy import symexp, symlog
     from causal_qwen.context_start import ContextRows, fit_context_values
-    from causal_qwen.context_values import entry_values
 
     g = torch.Generator().manual_seed(3)
     hidden, action = model.config.hidden_size, model.action
@@ -1010,12 +1012,7 @@ def test_the_start_leaves_the_copies_where_the_target_repeats_one_of_several_num
     fit_context_values(model, rows, x, scale_u, y, starts=1)
 
     test, x, y, kind = rows_of(120, 1000.0)
-    queries, keys, values, present = test.stacked(120)
-    path = model.abduction.context_values
-    with torch.no_grad():
-        own, before = keys.chunk(2, dim=-1)
-        read = path.read(queries[:, None], path.keys(own, before).double(), entry_values(present, values, "symlog"),
-                         present[:, None], "symlog")
+    read = _read_rows(model.abduction.context_values, test, 120)
     loc = read.linear_weight[:, 0] * (x @ w + b) + read.offset[:, 0]
     error = ((symexp(loc) - symexp(y)).abs() / symexp(y).abs())
     for which in (kind == 0, kind == 1):
