@@ -15,7 +15,7 @@ form): the arms of "Keys that read the words before the number" in docs/experime
 on with the log-space combination summing ln|v| (`context_values_log="log"`): "The log of the values" there. The arm
 `pointer-by-error` is the path on with its pointer fitted only by the value's error with the rest of the path: no
 start with it fitted to the copied numbers first (`context_start._fit_pointer`), "A pointer fitted to the copied
-number" there.
+number" there. `--save DIR` keeps each arm's model right after its start, to be read again without a new start.
 
     python experiments/context_path.py --output runs/context_path                 # the start only
     python experiments/context_path.py --steps 12 --output runs/context_path      # and after 12 steps
