@@ -1217,3 +1217,51 @@ def test_the_widths_calibration_leaves_a_coordinate_the_rows_do_not_vary_near_ze
         assert reading[1].abs() <= 1.0, reading
     else:
         assert reading[1].abs() > 50.0, reading
+
+
+@pytest.mark.parametrize("pointer_fits", [True, False])
+def test_a_fit_with_its_pointer_fitted_first_is_kept_over_a_better_nll(model, monkeypatch, pointer_fits):
+    """Where rows repeat one of several numbers each random start is fitted both ways, and one whose pointer was
+    fitted to the copied numbers first is kept wherever one beats the read-out, even against a fit of lower held-out
+    NLL (a fifth of the rows cannot show a split pointer). Stand-ins for the fit return the same copying path, the
+    one without the pointer fitted first claiming an NLL lower by 1: the record says which was kept and gives its NLL.
+    With no row telling the copies apart (`_copies_told` false) only the fit without it runs and is kept."""
+    from causal_qwen import context_start
+    from causal_qwen.cauchy import symlog
+    from causal_qwen.context_start import ContextRows, fit_context_values
+
+    g = torch.Generator().manual_seed(12)
+    n, hidden = 200, model.config.hidden_size
+    channels = model.action.reg_head.weight.shape[1]
+    x = torch.randn(n, channels, generator=g, dtype=torch.float64) * 0.1
+    numbers = 30.0 + 50.0 * torch.rand(n, 2, generator=g, dtype=torch.float64)
+    numbers[:, 1] += 100.0  # another number in view, never the target
+    y = symlog(numbers[:, 0])
+    rows = ContextRows()
+    for k in range(n):
+        rows.queries.append(torch.randn(hidden, generator=g))
+        rows.keys.append(torch.randn(2, 2 * hidden, generator=g))
+        rows.values.append(numbers[k])
+        rows.present.append(torch.ones(2, dtype=torch.bool))
+    nlls = {}
+
+    def copying(small, loss, split, transform, noise, pointer=False):
+        with torch.no_grad():
+            small.choice.bias.fill_(-40.0)
+            small.mean_score.bias.fill_(-40.0)
+            small.query.weight.zero_()
+            small.key.weight.zero_()
+            small.key_before.weight.zero_()
+            small.query.bias.zero_()
+            small.key.bias.zero_()
+            small.query.bias[0], small.key.bias[0] = 1.0, 1.0  # every copy score alike: half on each number
+            nlls[pointer] = float(loss(small, True)) - (0.0 if pointer else 1.0)
+        return nlls[pointer], {k: v.clone() for k, v in small.state_dict().items()}, 1
+
+    monkeypatch.setattr(context_start, "_fit_from", copying)
+    if not pointer_fits:
+        monkeypatch.setattr(context_start, "_copies_told", lambda *args: False)
+    fit = fit_context_values(model, rows, x, torch.full((n, channels), 1e-4, dtype=torch.float64), y, starts=1)
+    assert set(nlls) == ({False, True} if pointer_fits else {False})
+    assert fit["context_pointer"] is pointer_fits
+    assert fit["context_nll"] == nlls[pointer_fits] < fit["context_nll_linear"], (fit, nlls)
