@@ -15,7 +15,11 @@ the step without it. On a GPU (`--device cuda`) each step is timed between two s
 
     python benchmarks/bench_context_values.py                  # 24 layers, B=1, S=1024, 64 numbers
     python benchmarks/bench_context_values.py --layers 4       # quick (the path's share is then 6x larger)
-    python benchmarks/bench_context_values.py --device cuda --dtype bfloat16 --steps 20
+    python benchmarks/bench_context_values.py --device cuda --dtype bfloat16 --steps 20 --batches 1 8 --kernels
+
+`--kernels` also counts what one step of each model launches (torch's profiler): on a GPU the kernels and their
+summed device time, which tell a launch-bound step (the device idle between small kernels) from a computing one;
+on a CPU the operators.
 """
 
 from __future__ import annotations
@@ -90,15 +94,33 @@ def measure(off, on, batch, steps: int) -> tuple[float, float]:
     return statistics.median(times["off"]), statistics.median(times["on"])
 
 
+def launches(model: CausalQwenForCausalLM, batch: dict[str, torch.Tensor]) -> tuple[int, float]:
+    """What one step launches, from torch's profiler: (kernels, their summed device ms) on a GPU, (operators, 0) on a
+    CPU."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = batch["input_ids"].device.type == "cuda"
+    model.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        model(**batch).loss.backward()
+        synchronize(batch["input_ids"].device)
+    if cuda:
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        return len(kernels), sum(e.time_range.elapsed_us() for e in kernels) / 1000
+    return sum(1 for e in prof.events() if e.cpu_parent is None), 0.0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1], help="batch sizes, each measured in turn")
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--numbers", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--kernels", action="store_true", help="also count what one step of each model launches")
     parser.add_argument("--train-path", action="store_true", help="let the path's weights train too")
     parser.add_argument("--train-value-features", action="store_true",
                         help="train the numeric embedding and the abduction network (backward through the backbone)")
@@ -109,15 +131,22 @@ def main() -> None:
     off, on = build_models(args.layers, args.train_path, args.train_value_features, device, dtype)
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
-    print(f"{where}, {args.dtype}, torch {torch.__version__};"
-          f" {args.layers} layers, B={args.batch}, S={args.seq}, path {'trained' if args.train_path else 'held'}, "
-          f"value features {'trained' if args.train_value_features else 'held'}")
-    print("| batch | step without the path (s) | with it (s) | ratio |")
-    print("|---|---|---|---|")
-    for name, numbers in ((f"{args.numbers} numbers", args.numbers), ("text only", 0)):
-        t_off, t_on = measure(off, on, make_batch(args.batch, args.seq, numbers, device), args.steps)
-        print(f"| {name} | {t_off:.3f} | {t_on:.3f} | {t_on / t_off:.3f} |", flush=True)
-
+    print(f"{where}, {args.dtype}, torch {torch.__version__}; {args.layers} layers, S={args.seq},"
+          f" path {'trained' if args.train_path else 'held'},"
+          f" value features {'trained' if args.train_value_features else 'held'}")
+    unit = "kernels" if device.type == "cuda" else "operators"
+    extra = f" {unit} off / on | device ms off / on |" if args.kernels else ""
+    print(f"| B | batch | step without the path (s) | with it (s) | ratio |{extra}")
+    print("|---|---|---|---|---|" + ("---|---|" if args.kernels else ""))
+    for size in args.batches:
+        for name, numbers in ((f"{args.numbers} numbers", args.numbers), ("text only", 0)):
+            batch = make_batch(size, args.seq, numbers, device)
+            t_off, t_on = measure(off, on, batch, args.steps)
+            row = f"| {size} | {name} | {t_off:.3f} | {t_on:.3f} | {t_on / t_off:.3f} |"
+            if args.kernels:
+                (n_off, ms_off), (n_on, ms_on) = launches(off, batch), launches(on, batch)
+                row += f" {n_off} / {n_on} | {ms_off:.1f} / {ms_on:.1f} |"
+            print(row, flush=True)
 
 if __name__ == "__main__":
     main()
