@@ -57,6 +57,7 @@ from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
 from .cauchy import symexp, symlog, transform_values
 from .configuration import CONTEXT_VALUES_LOGS
+from .distributed import sharded_training
 from .migrations import ADDED
 
 # The scores of the candidates that are not copies, in this order (the first three `choice`'s, the mean's
@@ -235,32 +236,49 @@ class CausalQwenContextValues(nn.Module):
             starts: `[B, S]`, where a new position is the first of its text (position id 0: after left padding, or
                 a packed sequence's next text); None: only the sequence's first.
         """
+        graph = self._needs_graph(hidden_states)
+        # Without zero terms to add, and not under a sharding engine (which gathers a layer's parameters when it is
+        # called, every rank calling the same layers), a context without numbers skips what no query reads: on a GPU
+        # each small operation is a kernel launch, which is what a step of small batches or a token of decoding costs.
+        lean = not graph and not sharded_training()
+        compiling = torch.compiler.is_compiling()  # a traced graph (export, compile) keeps every position
+        count = None
+        if cache is None and not compiling:
+            count = _count_numbers(is_num)
+            if count == 0 and lean:  # nor are the keys of this batch kept for a later one
+                queries = torch.take_along_dim(hidden_states, query_index[..., None], dim=1)
+                read = self.read_without_numbers(queries, graph=False)
+                return read.linear_weight, read.offset, read.width, read.width.new_zeros(())
         maps, entries = self.entries(hidden_states, is_num, values, value_transform, starts)
         new_maps = maps
         new = torch.arange(hidden_states.shape[1], device=maps.device)
+        key_positions = new[None]
+        static = False
         if cache is not None:
             layer = context_layer(cache)
             before = layer.get_seq_length()
             before = before.clone() if isinstance(before, torch.Tensor) else before  # `update` adds to it in place
             maps, entries = (t[:, 0] for t in layer.update(maps[:, None], entries[:, None]))
-            keys = keys_of(maps, entries)
-            key_positions = torch.arange(keys.shape[1], device=keys.device)[None]
+            key_positions = torch.arange(maps.shape[1], device=maps.device)[None]
             new = new + before
-            if not isinstance(layer, StaticLayer):  # a static cache keeps its shapes for a compiled forward
-                keys, entries, key_positions = _numbers_only(keys, entries)
-        elif torch.compiler.is_compiling():  # a traced graph (export, compile) keeps every position: no data shapes
-            keys, key_positions = keys_of(maps, entries), new[None]
+            static = isinstance(layer, StaticLayer)  # a static cache keeps its shapes for a compiled forward
+            if not (static or compiling):
+                count = _count_numbers(entries[..., 2] > 0)  # in the whole context, the cache's too
+        if static or compiling:
+            keys = keys_of(maps, entries)
+        elif count == 0 and lean:
+            keys = maps.new_zeros(maps.shape[0], 0, maps.shape[-1] // 2)  # no number in the whole context
         else:
-            keys, entries, key_positions = _numbers_only(keys_of(maps, entries), entries)
+            keys, entries, key_positions = _numbers_only(keys_of(maps, entries), entries, count)
         query_positions = new[query_index]
         queries = torch.take_along_dim(hidden_states, query_index[..., None], dim=1)
         short = keys.shape[1] == 0  # no number anywhere in the batch's context
         if short:
-            read = self.read_without_numbers(queries)
+            read = self.read_without_numbers(queries, graph=graph)
         else:
             visible = (entries[..., 2] > 0)[:, None, :] & (key_positions[:, None, :] <= query_positions[:, :, None])
-            read = self.read(queries, keys, entries, visible, value_transform)
-        in_graph = read.in_graph + 0.0 * new_maps.sum() if self.training and torch.is_grad_enabled() else 0.0
+            read = self.read(queries, keys, entries, visible, value_transform, graph=graph)
+        in_graph = read.in_graph + 0.0 * new_maps.sum() if graph else 0.0
         linear, offset = read.linear_weight, read.offset
         if short and isinstance(in_graph, torch.Tensor):
             # The short read's π_0 and m_t are constants; in training they join the graph as the whole read's do
@@ -268,6 +286,14 @@ class CausalQwenContextValues(nn.Module):
             # gradient, and a rank without numbers must hook as many as one with them.
             linear, offset = linear + in_graph, offset + in_graph
         return linear, offset, read.width, keys.new_zeros(()) + in_graph
+
+    def _needs_graph(self, hidden_states: torch.Tensor) -> bool:
+        """Whether this forward adds the zero terms of `ContextRead.in_graph`: in training, where a gradient can
+        flow through the path (its parameters train, or the features it reads carry a gradient). Elsewhere they
+        would be zeros that nothing differentiates."""
+        if not (self.training and torch.is_grad_enabled()):
+            return False
+        return hidden_states.requires_grad or any(param.requires_grad for param in self.parameters())
 
     def _scores(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The queries `[B, T, 3r]`, the scores of the candidates that are not copies `[B, T, 4]` and the width map
@@ -284,25 +310,30 @@ class CausalQwenContextValues(nn.Module):
         return (raw_width + summary @ by_choice).clamp(-MAX_LOG_WIDTH, MAX_LOG_WIDTH).exp(), by_choice
 
     def _in_graph(self, read: ContextRead, q: torch.Tensor, choice: torch.Tensor, raw_width: torch.Tensor,
-                  by_choice: torch.Tensor) -> ContextRead:
-        """`read` with its `in_graph` term when training."""
-        if self.training and torch.is_grad_enabled():
+                  by_choice: torch.Tensor, graph: bool) -> ContextRead:
+        """`read` with its `in_graph` term where `graph` (`_needs_graph`)."""
+        if graph:
             # Every layer's output (not its parameters: a sharding engine releases a layer's parameters once the
             # layer has run) times 0, so that a loss without a value term still reaches every parameter.
             read.in_graph = 0.0 * (q.sum() + choice.nan_to_num(neginf=0.0).sum() + raw_width.sum()
                                    + by_choice.sum())
         return read
 
-    def read_without_numbers(self, queries: torch.Tensor) -> ContextRead:
+    def read_without_numbers(self, queries: torch.Tensor, graph: bool | None = None) -> ContextRead:
         """`read` where no number is visible, in a few operations rather than the whole read: π_0 = 1, m_t = 0 and
         π̄_t = (1, 0, 0, 0, 0), so ρ_t = exp(a·z_t + β_0), bit for bit what `read` gives there. (Each small operation
-        is a kernel launch on a GPU, which is what a step of small batches or one token of decoding costs.)"""
-        q, choice, raw_width = self._scores(queries)
+        is a kernel launch on a GPU, which is what a step of small batches or one token of decoding costs.) The
+        scores are computed only for `in_graph`'s zero terms, where `graph` (None: in training, with gradients on)."""
+        graph = self.training and torch.is_grad_enabled() if graph is None else graph
+        if graph or sharded_training():  # every rank calls the layers a rank with numbers calls (`forward`)
+            q, choice, raw_width = self._scores(queries)
+        else:
+            raw_width = self.width(queries).double().squeeze(-1)
         linear = torch.ones_like(raw_width)
         summary = nn.functional.pad(linear[..., None], (0, len(CANDIDATES)))
         width, by_choice = self._width(raw_width, summary)
         read = ContextRead(linear, torch.zeros_like(raw_width), width, choice=summary)
-        return self._in_graph(read, q, choice, raw_width, by_choice)
+        return self._in_graph(read, q, choice, raw_width, by_choice, graph) if graph else read
 
     def read(
         self,
@@ -311,8 +342,11 @@ class CausalQwenContextValues(nn.Module):
         entries: torch.Tensor,
         visible: torch.Tensor,
         value_transform: str,
+        graph: bool | None = None,
     ) -> ContextRead:
-        """The read of queries `[B, T, H]` over keys `[B, L, 3r]` and entries `[B, L, 4]`, `visible` `[B, T, L]`."""
+        """The read of queries `[B, T, H]` over keys `[B, L, 3r]` and entries `[B, L, 4]`, `visible` `[B, T, L]`;
+        with `in_graph`'s zero terms where `graph` (None: in training, with gradients on)."""
+        graph = self.training and torch.is_grad_enabled() if graph is None else graph
         r = self.rank
         q, choice, raw_width = self._scores(queries)
         copy_q, log_q, raw_q = q.split(r, dim=-1)
@@ -344,7 +378,7 @@ class CausalQwenContextValues(nn.Module):
         summary = torch.stack((linear, copies.sum(-1), log_weight, raw_weight, mean_weight), -1)
         width, by_choice = self._width(raw_width, summary)
         read = ContextRead(linear, offset, width, choice=summary)
-        return self._in_graph(read, q, choice, raw_width, by_choice)
+        return self._in_graph(read, q, choice, raw_width, by_choice, graph)
 
 
 @torch.no_grad()
@@ -404,14 +438,20 @@ def _log_candidate(log_combination: torch.Tensor, transform: str, log_values: st
     return log_combination.clamp(-_MAX_LOG, _MAX_LOG).exp()
 
 
-def _numbers_only(keys: torch.Tensor, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The entries of the `<NUM>` positions only (K the most of any row), with their positions `[B, K]`.
+def _count_numbers(is_num: torch.Tensor) -> int:
+    """The most `<NUM>` positions of any row of `is_num` `[B, L]` (a synchronisation on a GPU)."""
+    return int(is_num.sum(-1).max()) if is_num.numel() else 0
+
+
+def _numbers_only(
+    keys: torch.Tensor, entries: torch.Tensor, count: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The entries of the `<NUM>` positions only (`count`, the most of any row), with their positions `[B, K]`.
 
     Without a cache every position is new, and only the K ≪ S numbers can be read: scoring them alone costs
     O(S·K·r) instead of O(S²·r).
     """
     is_num = entries[..., 2] > 0
-    count = int(is_num.sum(-1).max()) if is_num.numel() else 0
     order = torch.argsort((~is_num).to(torch.uint8), dim=-1, stable=True)[:, :count]
     take = order[..., None]
     keys = torch.take_along_dim(keys, take, dim=1)

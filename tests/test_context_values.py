@@ -1265,3 +1265,37 @@ def test_a_fit_with_its_pointer_fitted_first_is_kept_over_a_better_nll(model, mo
     assert set(nlls) == ({False, True} if pointer_fits else {False})
     assert fit["context_pointer"] is pointer_fits
     assert fit["context_nll"] == nlls[pointer_fits] < fit["context_nll_linear"], (fit, nlls)
+
+
+@pytest.mark.parametrize("use_cache, sharded", [(False, False), (True, False), (False, True)])
+def test_a_text_without_numbers_skips_the_layers_no_query_reads_where_nothing_needs_a_gradient(
+    model, monkeypatch, use_cache, sharded
+):
+    """With the path held and the backbone frozen (the trainer's defaults), a training forward over a text without
+    numbers calls only the path's width map, and the key maps where a cache keeps them for a later number: on a GPU
+    each layer is kernel launches. Under a sharding engine, which gathers a layer's parameters when it is called,
+    every layer is called as on a rank with numbers. The outputs equal, bit for bit, those of the forward in which the
+    path trains and every layer is called."""
+    monkeypatch.setattr("causal_qwen.context_values.sharded_training", lambda: sharded)
+    path = model.abduction.context_values
+    layers = sorted(name for name, _ in path.named_children())
+    called = []
+    hooks = [module.register_forward_hook(lambda *_, name=name: called.append(name))
+             for name, module in path.named_children()]
+    text = torch.randint(1, 100, (2, 12))
+    model.train()
+    outputs = {}
+    for trains in (True, False):
+        path.requires_grad_(trains)
+        called.clear()
+        outputs[trains] = model(text, labels=text, use_cache=use_cache)
+        assert sorted(set(called)) == (
+            layers if trains or sharded else ["key", "key_before", "width"] if use_cache else ["width"]
+        ), (trains, called)
+    for hook in hooks:
+        hook.remove()
+    present = [name for name in ("loss", "cls_loss", "logits", "loc_S", "loc_Y", "scale_Y")
+               if getattr(outputs[True], name) is not None]
+    assert {"loss", "loc_Y", "scale_Y"} <= set(present), present
+    for name in present:
+        assert torch.equal(getattr(outputs[False], name), getattr(outputs[True], name).detach()), name
