@@ -125,6 +125,8 @@ def main() -> None:
     parser.add_argument("--train-value-features", action="store_true",
                         help="train the numeric embedding and the abduction network (backward through the backbone)")
     args = parser.parse_args()
+    if min(args.batches) < 1:
+        raise ValueError(f"--batches must be at least 1 each, got {args.batches}")
     if args.numbers < 1 or args.numbers > args.seq - 10:
         raise ValueError(f"--numbers must be in [1, seq - 10], got {args.numbers}")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
