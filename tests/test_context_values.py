@@ -615,6 +615,20 @@ def _read_rows(path, rows, n: int):
                          present[:, None], "symlog")
 
 
+def _random_rows(values: torch.Tensor, hidden: int, generator: torch.Generator):
+    """Start rows (`context_start.ContextRows`) with every slot filled by `values` `[N, K]`, and random queries and keys
+    drawn row by row from `generator`."""
+    from causal_qwen.context_start import ContextRows
+
+    rows = ContextRows()
+    for row in values:
+        rows.queries.append(torch.randn(hidden, generator=generator))
+        rows.keys.append(torch.randn(len(row), 2 * hidden, generator=generator))
+        rows.values.append(row)
+        rows.present.append(torch.ones(len(row), dtype=torch.bool))
+    return rows
+
+
 def _rows_without_numbers(queries: torch.Tensor):
     """The path's start rows of queries `[N, H]` with no earlier number (two empty slots each)."""
     from causal_qwen.context_start import ContextRows
@@ -747,7 +761,7 @@ def test_a_path_is_kept_only_where_it_beats_the_read_out_on_the_rows_as_read(mod
     five it is worse on the rows as read and the start keeps the read-out, with copies everywhere it is kept."""
     from causal_qwen import context_start
     from causal_qwen.cauchy import symexp, symlog
-    from causal_qwen.context_start import ContextRows, fit_context_values, held_out_rows
+    from causal_qwen.context_start import fit_context_values, held_out_rows
     from causal_qwen.context_values import LINEAR_ONLY_SCORE
 
     g = torch.Generator().manual_seed(11)
@@ -761,12 +775,7 @@ def test_a_path_is_kept_only_where_it_beats_the_read_out_on_the_rows_as_read(mod
     number = torch.where(copy, 30.0 + 50.0 * torch.rand(n, generator=g, dtype=torch.float64),
                          symexp(loc + 1.5))
     y = torch.where(copy, symlog(number), loc)
-    rows = ContextRows()
-    for k in range(n):
-        rows.queries.append(torch.randn(hidden, generator=g))
-        rows.keys.append(torch.randn(1, 2 * hidden, generator=g))
-        rows.values.append(number[k:k + 1])
-        rows.present.append(torch.ones(1, dtype=torch.bool))
+    rows = _random_rows(number[:, None], hidden, g)
     candidate = {}
 
     def always_copy(small, loss, split, transform, noise, pointer=False):
@@ -1228,7 +1237,7 @@ def test_a_fit_with_its_pointer_fitted_first_is_kept_over_a_better_nll(model, mo
     With no row telling the copies apart (`_copies_told` false) only the fit without it runs and is kept."""
     from causal_qwen import context_start
     from causal_qwen.cauchy import symlog
-    from causal_qwen.context_start import ContextRows, fit_context_values
+    from causal_qwen.context_start import fit_context_values
 
     g = torch.Generator().manual_seed(12)
     n, hidden = 200, model.config.hidden_size
@@ -1237,12 +1246,7 @@ def test_a_fit_with_its_pointer_fitted_first_is_kept_over_a_better_nll(model, mo
     numbers = 30.0 + 50.0 * torch.rand(n, 2, generator=g, dtype=torch.float64)
     numbers[:, 1] += 100.0  # another number in view, never the target
     y = symlog(numbers[:, 0])
-    rows = ContextRows()
-    for k in range(n):
-        rows.queries.append(torch.randn(hidden, generator=g))
-        rows.keys.append(torch.randn(2, 2 * hidden, generator=g))
-        rows.values.append(numbers[k])
-        rows.present.append(torch.ones(2, dtype=torch.bool))
+    rows = _random_rows(numbers, hidden, g)
     nlls = {}
 
     def copying(small, loss, split, transform, noise, pointer=False):
