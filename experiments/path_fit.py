@@ -8,14 +8,22 @@ rows of each test split's targets once (`--read`, about 6 minutes on 2 cores), s
 them by the library's procedure or a variant of it and reports what context_path.py reports at the start, in about a
 minute per arm.
 
+`--orders` fits the path on the same rows in other orders (a random permutation per seed, 0: as read), which holds
+out other rows: the trainer reads its training set in a random order, so its start holds out other rows than this
+script's. `--candidates` then reports every fit the library chose between (each random start, with and without its
+pointer fitted first), each finished as the library finishes the one it keeps, with its held-out NLL as the
+library scores it (with the scaled copies) and on the rows as read, and which one the library kept.
+
     python experiments/path_fit.py --read --rows runs/path_fit/rows.pt       # once
     python experiments/path_fit.py --rows runs/path_fit/rows.pt --arms library,guided
+    python experiments/path_fit.py --orders 0,1,2,3,4,5 --candidates --output runs/path_fit/candidates.json
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import sys
 import time
@@ -235,6 +243,150 @@ def arm(name: str) -> None:
             raise ValueError(f"unknown arm part {part!r}")
 
 
+class Candidates:
+    """Every fit `fit_context_values` chooses between, each finished as the one it keeps.
+
+    `context_start._fit_from` is wrapped: its results are kept by call (the fit calls it in the same order on the
+    same rows, and is deterministic), and with `forced` set every other call returns no state, so that the library's
+    choice, its switch-off and its calibration run on that fit alone."""
+
+    def __init__(self):
+        self.results: list = []
+        self.calls: list = []
+        self.forced: int | None = None
+
+    def __enter__(self):
+        def fit_from(small, loss, split, transform, noise, pointer=False):
+            index = len(self.calls)
+            self.calls.append((split, pointer))
+            if index == len(self.results):
+                self.results.append(_FIT_FROM(small, loss, split, transform, noise, pointer))
+            held_out, state, step = self.results[index]
+            return (held_out, None, step) if self.forced is not None and index != self.forced else (held_out, state,
+                                                                                                     step)
+        context_start._fit_from = fit_from
+        return self
+
+    def __exit__(self, *exc):
+        context_start._fit_from = _FIT_FROM
+
+    def fit(self, model, train: dict, loo: torch.Tensor, seed: int, forced: int | None) -> dict:
+        self.calls, self.forced = [], forced
+        return context_start.fit_context_values(model, context_rows(train), train["x"], train["x_scale"],
+                                                train["y"], seed=seed, loo_residuals=loo)
+
+
+@torch.no_grad()
+def held_out_as_read(model, split: dict, state: dict | None, as_read: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The value's NLL and location `[as_read]` at the held-out rows as read (the first `as_read`; their scaled
+    copies follow them) through the small path `state` (None: the read-out alone), as the fit scores them."""
+    rows = split[True]
+    small = context_start.CausalQwenContextValues(rows.queries.shape[1], model.abduction.context_values.rank,
+                                                  model.abduction.context_values.log_values).double().eval()
+    if state is None:
+        small.choice.bias[0] = context_start.LINEAR_ONLY_SCORE
+    else:
+        small.load_state_dict(state)
+    noise = float(model.action.reg_log_noise.exp())
+    loc, scale = context_start._value(small, model.config.value_transform, rows, noise)
+    nll = cauchy.nll(rows.target, loc, scale.clamp(min=model.config.scale_min))
+    return nll[:as_read], loc[:as_read]
+
+
+def permuted(train: dict, order: int) -> tuple[dict, torch.Tensor]:
+    """The training rows in the order of seed `order` (0: as read), and the permutation."""
+    n = len(train["y"])
+    perm = torch.arange(n) if order == 0 else torch.randperm(n, generator=torch.Generator().manual_seed(order))
+    context = {name: [part[i] for i in perm.tolist()] for name, part in train["context"].items()}
+    return {"x": train["x"][perm], "y": train["y"][perm], "x_scale": train["x_scale"][perm],
+            "context": context}, perm
+
+
+def candidates(model, saved: dict, orders: list[int], seed: int, pristine: dict, output: str | None) -> None:
+    """For each order of the training rows, every fit the library chose between, and the one it kept."""
+    report = []
+    for order in orders:
+        train, perm = permuted(saved["train"], order)
+        held = [saved["train_templates"][i] for i in perm.tolist()][::context_start._HELD_OUT_EVERY]
+        with torch.no_grad():
+            _, _, _, loo = _write_readout(model, train["x"], train["y"], PENALTIES)
+        with Candidates() as study:
+            model.abduction.context_values.load_state_dict(pristine)
+            kept = study.fit(model, train, loo, seed, None)
+            calls = list(study.calls)
+            read_out = held_out_as_read(model, calls[0][0], None, len(held))[0]
+            print(f"\norder {order}: kept seed {kept['context_seed']}, pointer {kept['context_pointer']}, held-out "
+                  f"NLL {kept['context_nll']:.4f} (read-out {kept['context_nll_linear']:.4f})", flush=True)
+            pointers = len({pointer for _, pointer in calls})
+            kept_index = None if kept["context_seed"] is None else \
+                (kept["context_seed"] - seed) * pointers + int(bool(kept["context_pointer"]) and pointers == 2)
+            for index, (split, pointer) in enumerate(calls):
+                held_out, state, _ = study.results[index]
+                model.abduction.context_values.load_state_dict(pristine)
+                record = study.fit(model, train, loo, seed, index)
+                entry = {"order": order, "draw": index // pointers, "pointer": pointer,
+                         "kept_by_library": index == kept_index, "passes": record["context_seed"] is not None,
+                         "held_out_nll": held_out}
+                if state is not None:
+                    nll, loc = held_out_as_read(model, split, state, len(held))
+                    entry["held_out_nll_as_read"] = float(nll.mean())
+                    entry["held_out_nll_by_template"] = _by_template(held, (nll - read_out).tolist())
+                    entry["held_out_loc"] = loc.tolist()
+                for split_name in SPLITS:
+                    m = measure(model, saved, split_name)
+                    entry[split_name] = {"per_template": m["per_template"], "coverage": m["coverage"]}
+                report.append(entry)
+                test, real = entry["test"], entry["real_test"]
+                print(f"  start {entry['draw']}{' pointer' if pointer else ''}: "
+                      f"{'kept, ' if entry['kept_by_library'] else ''}"
+                      f"{'' if entry['passes'] else 'does not beat the read-out, '}held-out NLL {held_out:.3f}"
+                      + (f" (as read {entry['held_out_nll_as_read']:.3f})" if state is not None else "")
+                      + f"; test mean {statistics.fmean(test['per_template'].values()):.3f}, coverage "
+                      f"{test['coverage'][0]:.2f} / {test['coverage'][1]:.2f}; tables "
+                      + ", ".join(f"{k} {v:.3f}" for k, v in real["per_template"].items())
+                      + f"; above the median: {', '.join(_above_median(saved, entry)) or 'none'}", flush=True)
+    print("\nThe fit each rule keeps, of those that beat the read-out:")
+    for order in orders:
+        passing = [entry for entry in report if entry["order"] == order and entry["passes"]]
+        if not passing:
+            continue
+        for rule, chosen in choices(passing).items():
+            if chosen is None:
+                continue
+            test = chosen["test"]
+            print(f"  order {order}, {rule}: start {chosen['draw']}{' pointer' if chosen['pointer'] else ''}, test "
+                  f"mean {statistics.fmean(test['per_template'].values()):.3f}, coverage {test['coverage'][0]:.2f} / "
+                  f"{test['coverage'][1]:.2f}, above the median: {', '.join(_above_median(saved, chosen)) or 'none'}")
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(json.dumps(report, indent=1))
+
+
+def choices(passing: list[dict]) -> dict[str, dict]:
+    """The fit each rule keeps: the library's (least held-out NLL with the scaled copies, a fit with its pointer
+    fitted first preferred), the least held-out NLL on the rows as read, and the medoid (the least mean absolute
+    distance of its held-out locations from their median over the fits)."""
+    kept = [entry for entry in passing if entry["kept_by_library"]]
+    locs = torch.tensor([entry["held_out_loc"] for entry in passing], dtype=torch.float64)
+    distance = (locs - locs.median(0).values).abs().mean(1)
+    return {"library": kept[0] if kept else None,
+            "as read": min(passing, key=lambda entry: entry["held_out_nll_as_read"]),
+            "medoid": passing[int(distance.argmin())]}
+
+
+def _by_template(templates: list[str], values: list[float]) -> dict[str, float]:
+    groups: dict[str, list[float]] = {}
+    for template, value in zip(templates, values, strict=True):
+        groups.setdefault(template, []).append(value)
+    return {name: statistics.fmean(v) for name, v in sorted(groups.items())}
+
+
+def _above_median(saved: dict, entry: dict) -> list[str]:
+    """The templates and tables whose error is not below their training median (bar 3)."""
+    return [f"{split}:{name}" for split in SPLITS for name, error in entry[split]["per_template"].items()
+            if error >= median_baseline(saved, split)[name]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--read", action="store_true", help="read and save the rows (once)")
@@ -247,6 +399,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="the data's and the conversion's (as the rows were read)")
     parser.add_argument("--fit-seeds", default="0", help="comma-separated: each arm is fitted from each of these "
                         "seeds of the path's random starts (the library's: 0)")
+    parser.add_argument("--orders", help="comma-separated seeds of the training rows' order (0: as read)")
+    parser.add_argument("--candidates", action="store_true",
+                        help="with --orders: report every fit the library chooses between (the library's fit only)")
+    parser.add_argument("--output", help="with --candidates: write the report as JSON here")
     args = parser.parse_args()
     if args.read:
         read(args)
@@ -261,6 +417,15 @@ def main() -> None:
     for split in SPLITS:
         medians = median_baseline(saved, split)
         print(f"{split} training median: " + ", ".join(f"{k} {v:.3f}" for k, v in medians.items()))
+    if args.orders and not args.candidates:
+        parser.error("--orders needs --candidates")
+    if args.candidates:
+        if not args.orders:
+            parser.error("--candidates needs --orders")
+        arm("library")
+        candidates(model, saved, [int(o) for o in args.orders.split(",")], int(args.fit_seeds.split(",")[0]),
+                   pristine, args.output)
+        return
     for name, fit_seed in [(name, int(s)) for name in args.arms.split(",") for s in args.fit_seeds.split(",")]:
         model.abduction.context_values.load_state_dict(pristine)
         arm(name)

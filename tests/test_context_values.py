@@ -1271,6 +1271,64 @@ def test_a_fit_with_its_pointer_fitted_first_is_kept_over_a_better_nll(model, mo
     assert fit["context_nll"] == nlls[pointer_fits] < fit["context_nll_linear"], (fit, nlls)
 
 
+def test_the_start_keeps_the_fit_of_least_nll_on_the_rows_as_read(model, monkeypatch):
+    """Of the fits that beat the read-out, the start keeps the one of least held-out NLL on the rows as read, not the
+    one of least NLL with the scaled copies. Every row's target is its one earlier number. The stand-in fit of the
+    first random start puts half the weight on the read-out and claims an NLL 100 below its own; that of the second
+    copies. The copy is exact on every row, so its NLL as read is the lower: it is kept, and the record gives the
+    NLL it claimed."""
+    from causal_qwen import context_start
+    from causal_qwen.cauchy import symlog
+    from causal_qwen.context_start import fit_context_values
+
+    g = torch.Generator().manual_seed(13)
+    n, hidden = 200, model.config.hidden_size
+    channels = model.action.reg_head.weight.shape[1]
+    x = torch.randn(n, channels, generator=g, dtype=torch.float64) * 0.1
+    numbers = 30.0 + 50.0 * torch.rand(n, 1, generator=g, dtype=torch.float64)
+    y = symlog(numbers[:, 0])
+    rows = _random_rows(numbers, hidden, g)
+    claimed = []
+
+    def stand_in(small, loss, split, transform, noise, pointer=False):
+        assert pointer is False  # one number in view: no row tells copies apart
+        with torch.no_grad():
+            small.mean_score.bias.fill_(-40.0)
+            small.choice.bias.fill_(-40.0)
+            if not claimed:  # half on the read-out, half on the copy
+                small.choice.bias[0] = 0.0
+                small.choice.bias[1] = 0.0
+            claimed.append(float(loss(small, True)) - (100.0 if not claimed else 0.0))
+        return claimed[-1], {k: v.clone() for k, v in small.state_dict().items()}, 1
+
+    monkeypatch.setattr(context_start, "_fit_from", stand_in)
+    fit = fit_context_values(model, rows, x, torch.full((n, channels), 1e-4, dtype=torch.float64), y, seed=5,
+                             starts=2)
+    assert len(claimed) == 2 and claimed[0] < claimed[1] < fit["context_nll_linear"], (claimed, fit)
+    assert fit["context_seed"] == 6 and fit["context_nll"] == claimed[1], fit
+
+
+@pytest.mark.parametrize("costs_elsewhere, kept", [(0.05, "plain"), (0.005, "pointer"), (None, "pointer")])
+def test_a_fit_with_its_pointer_fitted_first_is_preferred_only_where_it_costs_no_other_row(costs_elsewhere, kept):
+    """`_keep`: a fit whose pointer was fitted first is kept over one of lower held-out NLL as read, unless it is
+    worse by more than `_POINTER_ELSEWHERE` (10⁻²) on the rows whose target repeats no earlier number. The NLLs per
+    row are given: the plain fit's mean is 0.1 below the pointer's; on the first half of the rows (those that repeat
+    no number) the pointer's is worse by `costs_elsewhere`, and None has every row repeat a number."""
+    from causal_qwen.context_start import _POINTER_ELSEWHERE, _keep
+
+    assert _POINTER_ELSEWHERE == 1e-2
+    rows = 10
+    elsewhere = torch.arange(rows) < (0 if costs_elsewhere is None else rows // 2)
+    plain = torch.full((rows,), 0.5, dtype=torch.float64)
+    pointer = plain.clone()
+    pointer[elsewhere] += costs_elsewhere or 0.0
+    pointer[~elsewhere] += (0.2 - (costs_elsewhere or 0.0)) if costs_elsewhere is not None else 0.1
+    assert float(pointer.mean() - plain.mean()) == pytest.approx(0.1)
+    fits = {"plain": (0.3, {}, 1, 0, False), "pointer": (0.4, {}, 1, 0, True)}
+    assert _keep([(fits["plain"], plain), (fits["pointer"], pointer)], elsewhere) is fits[kept]
+    assert _keep([(fits["plain"], plain)], elsewhere) is fits["plain"]
+
+
 @pytest.mark.parametrize("use_cache, sharded", [(False, False), (True, False), (False, True)])
 def test_a_text_without_numbers_skips_the_layers_no_query_reads_where_nothing_needs_a_gradient(
     model, monkeypatch, use_cache, sharded
