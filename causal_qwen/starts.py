@@ -71,7 +71,8 @@ class ValueHeadFit:
     was measured before), and the candidates it switched off as unused (`context_start._switch_off_unused`; the
     NLL of the path is the fit's before that, which each switch raised by at most 10⁻³ on the held-out rows), and
     whether the fit it kept had its pointer fitted to the copied numbers first (`context_start._fit_pointer`; None:
-    the path as it was, or none kept).
+    the path as it was, or none kept), and the held-out value NLL of the path on the rows as read (without the
+    scaled copies of `context_nll`), which chose it (the read-out's where none was kept).
     """
 
     positions: int
@@ -93,6 +94,7 @@ class ValueHeadFit:
     context_nll_before: float | None = None
     context_off: list[str] | None = None
     context_pointer: bool | None = None
+    context_nll_as_read: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -509,7 +511,7 @@ def fit_value_head(
             `[V, C]` head).
         num_row_penalty: the ridge penalty of the `<NUM>` row's probe (see [`num_decision_start`]).
         context_starts: random starts of the context-value path's fit (`context_start.fit_context_values`), which
-            keeps the one of least held-out NLL; None: three.
+            keeps the one of least held-out NLL on the rows as read; None: three.
 
     Returns:
         A [`ValueHeadFit`], also stored as a dict in `model.config.value_head_fit` (saved with the config).

@@ -418,9 +418,11 @@ def _start_order(dataset, args):
 
 def _held_out_score(fit) -> tuple[float, int]:
     """What a start or a refit scores on the rows it held out, and how many: the value's NLL with the context-value
-    path, else the read-out's leave-one-out median absolute error. Lower is better."""
+    path on the rows as read (which chose the path it kept; with the scaled copies in a record that has no other),
+    else the read-out's leave-one-out median absolute error. Lower is better."""
     if fit.context_nll is not None:
-        return fit.context_nll, held_out_rows(fit.context_rows)
+        score = fit.context_nll_as_read if fit.context_nll_as_read is not None else fit.context_nll
+        return score, held_out_rows(fit.context_rows)
     return fit.loo_median_abs_error, fit.positions
 
 

@@ -802,8 +802,10 @@ def test_a_path_is_kept_only_where_it_beats_the_read_out_on_the_rows_as_read(mod
     linear_only = float(model.abduction.context_values.choice.bias[0]) == LINEAR_ONLY_SCORE
     if copies_every == 1:
         assert fit["context_nll"] == candidate["nll"] and not linear_only, (candidate, fit)
+        assert fit["context_nll_as_read"] == pytest.approx(candidate["nll_as_read"], rel=1e-12), (candidate, fit)
     else:
         assert fit["context_nll"] == fit["context_nll_linear"] and linear_only, (candidate, fit)
+        assert fit["context_nll_as_read"] == pytest.approx(read_out, rel=1e-9), (read_out, fit)
 
 
 @pytest.mark.parametrize("scale", [1.0, 1e4])
