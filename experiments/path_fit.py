@@ -17,6 +17,7 @@ library scores it (with the scaled copies) and on the rows as read, and which on
     python experiments/path_fit.py --read --rows runs/path_fit/rows.pt       # once
     python experiments/path_fit.py --rows runs/path_fit/rows.pt --arms library,guided
     python experiments/path_fit.py --orders 0,1,2,3,4,5 --candidates --output runs/path_fit/candidates.json
+    python experiments/path_fit.py --orders trainer --candidates    # in CausalQwenTrainer's order
 """
 
 from __future__ import annotations
@@ -143,18 +144,22 @@ def median_baseline(saved: dict, split: str) -> dict:
     return {name: statistics.median(values) for name, values in sorted(per.items())}
 
 
-def train_templates(profile, tokenizer, seed: int) -> list[str]:
-    """The template of each training row, in the order the start read them (each text's numbers in turn)."""
+def train_templates(profile, tokenizer, seed: int) -> tuple[list[str], list[int]]:
+    """The template of each training row and the index of its text, in the order the start read them (each text's
+    numbers in turn)."""
     from causal_qwen.labels import next_token_targets
 
     data = experiment.load_data(profile, seed)
     collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
-    templates = []
-    for ex, feature in zip(data["train"], tokenize_examples(tokenizer, [ex.text for ex in data["train"]]),
-                           strict=True):
+    templates, texts = [], []
+    for index, (ex, feature) in enumerate(zip(data["train"], tokenize_examples(tokenizer, [ex.text for ex in
+                                                                                           data["train"]]),
+                                              strict=True)):
         targets, _ = next_token_targets(collator([feature])["labels"])
-        templates += [ex.template] * int((targets == tokenizer.num_token_id).sum())
-    return templates
+        count = int((targets == tokenizer.num_token_id).sum())
+        templates += [ex.template] * count
+        texts += [index] * count
+    return templates, texts
 
 
 def subset(train: dict, keep: torch.Tensor) -> dict:
@@ -293,20 +298,28 @@ def held_out_as_read(model, split: dict, state: dict | None, as_read: int) -> tu
     return nll[:as_read], loc[:as_read]
 
 
-def permuted(train: dict, order: int) -> tuple[dict, torch.Tensor]:
-    """The training rows in the order of seed `order` (0: as read), and the permutation."""
+def permuted(saved: dict, order: int | str, seed: int) -> tuple[dict, torch.Tensor]:
+    """The training rows in the order of seed `order` (0: as read; "trainer": the texts in the order
+    `CausalQwenTrainer`'s start reads them in `run_experiment.py` with `seed`), and the permutation."""
+    train = saved["train"]
     n = len(train["y"])
-    perm = torch.arange(n) if order == 0 else torch.randperm(n, generator=torch.Generator().manual_seed(order))
+    if order == "trainer":  # training._start_order: a permutation of the texts from a generator of its own
+        texts = torch.tensor(saved["train_texts"])
+        text_order = torch.randperm(int(texts.max()) + 1, generator=torch.Generator().manual_seed(seed))
+        perm = torch.cat([(texts == text).nonzero().flatten() for text in text_order.tolist()])
+    else:
+        perm = torch.arange(n) if order == 0 else torch.randperm(n, generator=torch.Generator().manual_seed(order))
     context = {name: [part[i] for i in perm.tolist()] for name, part in train["context"].items()}
     return {"x": train["x"][perm], "y": train["y"][perm], "x_scale": train["x_scale"][perm],
             "context": context}, perm
 
 
-def candidates(model, saved: dict, orders: list[int], seed: int, pristine: dict, output: str | None) -> None:
+def candidates(model, saved: dict, orders: list, seed: int, pristine: dict, output: str | None,
+               data_seed: int = 0) -> None:
     """For each order of the training rows, every fit the library chose between, and the one it kept."""
     report = []
     for order in orders:
-        train, perm = permuted(saved["train"], order)
+        train, perm = permuted(saved, order, data_seed)
         held = [saved["train_templates"][i] for i in perm.tolist()][::context_start._HELD_OUT_EVERY]
         with torch.no_grad():
             _, _, _, loo = _write_readout(model, train["x"], train["y"], PENALTIES)
@@ -399,7 +412,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="the data's and the conversion's (as the rows were read)")
     parser.add_argument("--fit-seeds", default="0", help="comma-separated: each arm is fitted from each of these "
                         "seeds of the path's random starts (the library's: 0)")
-    parser.add_argument("--orders", help="comma-separated seeds of the training rows' order (0: as read)")
+    parser.add_argument("--orders", help="comma-separated seeds of the training rows' order (0: as read; "
+                        "trainer: as CausalQwenTrainer reads them in run_experiment.py with --seed)")
     parser.add_argument("--candidates", action="store_true",
                         help="with --orders: report every fit the library chooses between (the library's fit only)")
     parser.add_argument("--output", help="with --candidates: write the report as JSON here")
@@ -411,7 +425,7 @@ def main() -> None:
     profile = experiment.PROFILES[args.profile]
     tokenizer = CausalQwenTokenizer.from_pretrained(experiment.QWEN_DIR)
     model = experiment.new_causal(profile, tokenizer, args.seed, context_values=True).eval()
-    saved["train_templates"] = train_templates(profile, tokenizer, args.seed)
+    saved["train_templates"], saved["train_texts"] = train_templates(profile, tokenizer, args.seed)
     assert len(saved["train_templates"]) == len(saved["train"]["y"]), len(saved["train_templates"])
     pristine = copy.deepcopy(model.abduction.context_values.state_dict())
     for split in SPLITS:
@@ -423,8 +437,8 @@ def main() -> None:
         if not args.orders:
             parser.error("--candidates needs --orders")
         arm("library")
-        candidates(model, saved, [int(o) for o in args.orders.split(",")], int(args.fit_seeds.split(",")[0]),
-                   pristine, args.output)
+        orders = [order if order == "trainer" else int(order) for order in args.orders.split(",")]
+        candidates(model, saved, orders, int(args.fit_seeds.split(",")[0]), pristine, args.output, args.seed)
         return
     for name, fit_seed in [(name, int(s)) for name in args.arms.split(",") for s in args.fit_seeds.split(",")]:
         model.abduction.context_values.load_state_dict(pristine)
