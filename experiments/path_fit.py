@@ -8,11 +8,12 @@ rows of each test split's targets once (`--read`, about 6 minutes on 2 cores), s
 them by the library's procedure or a variant of it and reports what context_path.py reports at the start, in about a
 minute per arm.
 
-`--orders` fits the path on the same rows in other orders (a random permutation per seed, 0: as read), which holds
-out other rows: the trainer reads its training set in a random order, so its start holds out other rows than this
-script's. `--candidates` then reports every fit the library chose between (each random start, with and without its
-pointer fitted first), each finished as the library finishes the one it keeps, with its held-out NLL as the
-library scores it (with the scaled copies) and on the rows as read, and which one the library kept.
+`--orders` fits the path on the same rows in other orders (a random permutation per seed, 0: as read, `trainer`: the
+texts in the order `CausalQwenTrainer`'s start reads them in run_experiment.py), which hold out other rows: the
+trainer reads its training set in a random order, so its start holds out other rows than this script's.
+`--candidates` then reports every fit the library chose between (each random start, with and without its pointer
+fitted first), each finished as the library finishes the one it keeps, with its held-out NLL with the scaled copies
+and on the rows as read, and which one the library kept.
 
     python experiments/path_fit.py --read --rows runs/path_fit/rows.pt       # once
     python experiments/path_fit.py --rows runs/path_fit/rows.pt --arms library,guided
@@ -151,10 +152,9 @@ def train_templates(profile, tokenizer, seed: int) -> tuple[list[str], list[int]
 
     data = experiment.load_data(profile, seed)
     collator = CausalQwenDataCollator.from_tokenizer(tokenizer)
+    features = tokenize_examples(tokenizer, [ex.text for ex in data["train"]])
     templates, texts = [], []
-    for index, (ex, feature) in enumerate(zip(data["train"], tokenize_examples(tokenizer, [ex.text for ex in
-                                                                                           data["train"]]),
-                                              strict=True)):
+    for index, (ex, feature) in enumerate(zip(data["train"], features, strict=True)):
         targets, _ = next_token_targets(collator([feature])["labels"])
         count = int((targets == tokenizer.num_token_id).sum())
         templates += [ex.template] * count
@@ -267,8 +267,9 @@ class Candidates:
             if index == len(self.results):
                 self.results.append(_FIT_FROM(small, loss, split, transform, noise, pointer))
             held_out, state, step = self.results[index]
-            return (held_out, None, step) if self.forced is not None and index != self.forced else (held_out, state,
-                                                                                                     step)
+            if self.forced is not None and index != self.forced:
+                state = None
+            return held_out, state, step
         context_start._fit_from = fit_from
         return self
 
