@@ -553,3 +553,19 @@ def test_the_start_reads_a_sample_of_data_sorted_by_source(tiny_qwen, tmp_path, 
     table = datasets.Dataset.from_list([{**ex, "source": "second" if sources[ids] else "first"}
                                         for ex, ids in zip(train, in_order, strict=True)])
     assert start_reading(tiny_qwen, tmp_path / "table", monkeypatch, table, "random")[0] == sampled
+
+
+@pytest.mark.parametrize("as_read", [0.25, None])
+def test_the_end_check_scores_a_start_by_the_nll_that_chose_its_path(as_read):
+    """The end-of-training check of trained features compares the start's and the last refit's held-out scores: with
+    the context-value path, the NLL on the held-out rows as read that chose the path (`context_nll_as_read`), and in
+    a record saved before that field, `context_nll`; on a fifth of the rows, rounded up (every fifth held out). Without
+    the path, the read-out's leave-one-out error on every row."""
+    from causal_qwen.starts import ValueHeadFit
+    from causal_qwen.training import _held_out_score
+
+    fit = ValueHeadFit(positions=12, penalty=1.0, loo_median_abs_error=0.5, regression_noise=0.5, context_rows=12,
+                       context_nll_linear=2.0, context_nll=1.0, context_nll_as_read=as_read)
+    assert _held_out_score(fit) == (1.0 if as_read is None else as_read, 3)
+    without = ValueHeadFit(positions=12, penalty=1.0, loo_median_abs_error=0.5, regression_noise=0.5)
+    assert _held_out_score(without) == (0.5, 12)
