@@ -321,10 +321,13 @@ def fit_context_values(model, rows: ContextRows, x: torch.Tensor, scale_u: torch
     calibration = split[True]
     split = {part: _with_scaled_copies(rows, transform) for part, rows in split.items()}
 
-    def loss(small, on_held_out: bool, rows: _Rows | None = None):
-        rows = split[on_held_out] if rows is None else rows
+    def row_nll(small, rows: _Rows) -> torch.Tensor:
+        """The value's NLL `[N]` at each of `rows` through the path `small`."""
         loc, scale = _value(small, transform, rows, noise)
-        return nll(rows.target, loc, scale.clamp(min=floor)).mean()
+        return nll(rows.target, loc, scale.clamp(min=floor))
+
+    def loss(small, on_held_out: bool, rows: _Rows | None = None):
+        return row_nll(small, split[on_held_out] if rows is None else rows).mean()
 
     def start(draw: int) -> CausalQwenContextValues:
         small = CausalQwenContextValues(cq.shape[1], path.rank, path.log_values).double()
@@ -341,8 +344,7 @@ def fit_context_values(model, rows: ContextRows, x: torch.Tensor, scale_u: torch
         """A fit's value NLL `[N]` at the held-out rows as read (not their scaled copies)."""
         scratch = start(0)
         scratch.load_state_dict(state)
-        loc, scale = _value(scratch, transform, calibration, noise)
-        return nll(calibration.target, loc, scale.clamp(min=floor))
+        return row_nll(scratch, calibration)
 
     # The fit is not convex, and where it lands depends on the random start of the scores (on Qwen2.5-0.5B, the
     # repeat at unseen scales ranged from 0.005 to 0.38 over three starts): several starts, the best on the held-out
