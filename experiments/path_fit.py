@@ -19,6 +19,11 @@ and on the rows as read, and which one the library kept.
     python experiments/path_fit.py --rows runs/path_fit/rows.pt --arms library,guided
     python experiments/path_fit.py --orders 0,1,2,3,4,5 --candidates --output runs/path_fit/candidates.json
     python experiments/path_fit.py --orders trainer --candidates    # in CausalQwenTrainer's order
+
+`--analyse` reads such reports again: per template and table, whether the held-out rows rank the fits as the test
+split does, and what other rules for keeping a fit would have kept.
+
+    python experiments/path_fit.py --analyse runs/path_fit/candidates.json,runs/path_fit/candidates_trainer.json
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import json
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -401,6 +407,100 @@ def _above_median(saved: dict, entry: dict) -> list[str]:
             if error >= median_baseline(saved, split)[name]]
 
 
+def _ranks(values: list[float]) -> torch.Tensor:
+    """Ranks from 1, ties given their mean rank."""
+    x = torch.tensor(values, dtype=torch.float64)
+    ranks = torch.empty_like(x)
+    order = x.argsort()
+    ranks[order] = torch.arange(1, len(x) + 1, dtype=torch.float64)
+    for value in x.unique():
+        ties = x == value
+        ranks[ties] = ranks[ties].mean()
+    return ranks
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation of `a` and `b`."""
+    ra, rb = _ranks(a), _ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
+
+
+def held_out_targets(saved: dict, order: int | str, data_seed: int) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+    """The fit's held-out rows in `order` (every fifth, as `fit_context_values` holds them out): their templates,
+    whether each is its text's last number (the target the test splits measure) `[N]` and its value `[N]`."""
+    _, perm = permuted(saved, order, data_seed)
+    held = perm[::context_start._HELD_OUT_EVERY]
+    texts = torch.tensor(saved["train_texts"])
+    last = torch.ones(len(texts), dtype=torch.bool)
+    last[:-1] = texts[1:] != texts[:-1]
+    true = cauchy.untransform_values(saved["train"]["y"].double(), "symlog")
+    return [saved["train_templates"][i] for i in held.tolist()], last[held], true[held]
+
+
+def analyse(saved: dict, paths: str, data_seed: int) -> None:
+    """What the held-out rows can tell between the fits of `--candidates` reports (comma-separated): per template
+    and table, the Spearman correlation, over the fits that beat the read-out, of the median relative error at the
+    held-out target rows (each text's last number, as the test splits measure) with the test split's."""
+    report = [entry for path in paths.split(",") for entry in json.loads(Path(path).read_text())
+              if entry["passes"] and "held_out_loc" in entry]
+    held = {order: held_out_targets(saved, order, data_seed) for order in {entry["order"] for entry in report}}
+    pairs: dict[str, tuple[list, list, list]] = {}
+    for entry in report:
+        templates, last, true = held[entry["order"]]
+        predicted = cauchy.untransform_values(torch.tensor(entry["held_out_loc"], dtype=torch.float64), "symlog")
+        errors: dict[str, list] = {}
+        for k in last.nonzero().flatten().tolist():
+            errors.setdefault(templates[k], []).append(experiment.relative_error(float(predicted[k]), float(true[k])))
+        for name, values in errors.items():
+            test = entry["test"]["per_template"].get(name, entry["real_test"]["per_template"].get(name))
+            held_out, tested, rows = pairs.setdefault(name, ([], [], []))
+            held_out.append(statistics.median(values))
+            tested.append(test)
+            rows.append(len(values))
+    test_rows = Counter(saved["test"]["templates"] + saved["real_test"]["templates"])
+    print(f"{len(report)} fits that beat the read-out, {len(held)} orders")
+    print("| template or table | held-out target rows per order | test rows | median error over the fits: held-out "
+          "targets / test | Spearman |")
+    for name, (held_out, tested, rows) in sorted(pairs.items()):
+        print(f"| {name} | {min(rows)}-{max(rows)} | {test_rows[name]} | {min(held_out):.3f}-{max(held_out):.3f} / "
+              f"{min(tested):.3f}-{max(tested):.3f} | {spearman(held_out, tested):.2f} |")
+    rules(saved, report, held)
+
+
+def rules(saved: dict, report: list[dict], held: dict) -> None:
+    """Rules that keep the fit of least held-out value of a criterion: each criterion's Spearman correlation over
+    the fits with their count of templates and tables at or above the training median (bar 3), and what the fit each
+    keeps per order scores, summed over the orders (the trainer's apart)."""
+    criteria = {"NLL with the scaled copies": lambda entry, _: entry["held_out_nll"],
+                "NLL on the rows as read": lambda entry, _: entry["held_out_nll_as_read"]}
+    transformed = {"mean absolute error in the head's space": lambda loc, true, error: (loc - true).abs().mean(),
+                   "mean log relative error": lambda loc, true, error: error.clamp(min=1e-6).log().mean(),
+                   "pooled median relative error": lambda loc, true, error: error.median()}
+    for name, measure_of in transformed.items():
+        def criterion(entry, held_rows, measure_of=measure_of):
+            _, _, true = held_rows
+            loc = torch.tensor(entry["held_out_loc"], dtype=torch.float64)
+            error = (cauchy.untransform_values(loc, "symlog") - true).abs() / true.abs().clamp(min=1e-12)
+            return float(measure_of(loc, cauchy.transform_values(true, "symlog"), error))
+        criteria[name] = criterion
+    counts = [len(_above_median(saved, entry)) for entry in report]
+    print("\n| rule: the least held-out ... | Spearman with the count | count over the orders (trainer's order) | "
+          "corpus test mean |")
+    for name, criterion in criteria.items():
+        values = [criterion(entry, held[entry["order"]]) for entry in report]
+        kept = {}
+        for entry, value in zip(report, values, strict=True):
+            if entry["order"] not in kept or value < kept[entry["order"]][0]:
+                kept[entry["order"]] = (value, entry)
+        count = {order: len(_above_median(saved, entry)) for order, (_, entry) in kept.items()}
+        means = [statistics.fmean(entry["test"]["per_template"].values()) for order, (_, entry) in kept.items()
+                 if order != "trainer"]
+        print(f"| {name} | {spearman(values, counts):.2f} | "
+              f"{sum(c for order, c in count.items() if order != 'trainer')} ({count.get('trainer', '-')}) | "
+              f"{statistics.fmean(means):.3f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--read", action="store_true", help="read and save the rows (once)")
@@ -418,6 +518,8 @@ def main() -> None:
     parser.add_argument("--candidates", action="store_true",
                         help="with --orders: report every fit the library chooses between (the library's fit only)")
     parser.add_argument("--output", help="with --candidates: write the report as JSON here")
+    parser.add_argument("--analyse", metavar="REPORTS", help="read --candidates reports (comma-separated): how "
+                        "well the held-out rows rank the fits' test error, per template and table")
     args = parser.parse_args()
     if args.read:
         read(args)
@@ -429,6 +531,9 @@ def main() -> None:
     saved["train_templates"], saved["train_texts"] = train_templates(profile, tokenizer, args.seed)
     assert len(saved["train_templates"]) == len(saved["train"]["y"]), len(saved["train_templates"])
     pristine = copy.deepcopy(model.abduction.context_values.state_dict())
+    if args.analyse:
+        analyse(saved, args.analyse, args.seed)
+        return
     for split in SPLITS:
         medians = median_baseline(saved, split)
         print(f"{split} training median: " + ", ".join(f"{k} {v:.3f}" for k, v in medians.items()))
