@@ -20,6 +20,9 @@ and on the rows as read, and which one the library kept.
     python experiments/path_fit.py --orders 0,1,2,3,4,5 --candidates --output runs/path_fit/candidates.json
     python experiments/path_fit.py --orders trainer --candidates    # in CausalQwenTrainer's order
 
+`--pooled` (with `--orders`) tries one path for several fits: the fits that beat the read-out, their scores
+averaged (`pooled_state`), finished as the library finishes the fit it keeps (tried, not kept: docs/experiments.md).
+
 `--analyse` reads such reports again: per template and table, whether the held-out rows rank the fits as the test
 split does, and what other rules for keeping a fit would have kept.
 
@@ -382,6 +385,104 @@ def candidates(model, saved: dict, orders: list, seed: int, pristine: dict, outp
         Path(output).write_text(json.dumps(report, indent=1))
 
 
+def pooled_state(states: list[dict], rank: int) -> dict:
+    """One path whose scores are the mean of those of the fits `states` (small paths on the same coordinates): the
+    linear maps (the choice's and the mean's scores, the width) averaged, and each rank-r bilinear form (the copies'
+    scores, the two combinations' weights), the mean of the fits' forms in the augmented coordinates [c, 1] of the
+    query and [c_j, c_(j-1), 1] of the key, cut to its best rank r by its SVD. So the choice of the pooled path is the
+    softmax of the fits' mean scores (a normalised geometric mean of their choices) where the cut loses nothing."""
+    out = {name: torch.stack([state[name] for state in states]).mean(0)
+           for name in ("choice.weight", "choice.bias", "mean_score.weight", "mean_score.bias", "width.weight",
+                        "width.bias", "width_by_choice", "mean_width")}
+    for name in ("query.weight", "query.bias", "key.weight", "key.bias", "key_before.weight"):
+        out[name] = states[0][name].clone()
+    d = states[0]["query.weight"].shape[1]
+    for part in range(3):  # the copies' scores, the log-space and the raw-space weights
+        rows = slice(part * rank, (part + 1) * rank)
+        form = sum(torch.cat((state["query.weight"][rows], state["query.bias"][rows, None]), 1).T
+                   @ torch.cat((state["key.weight"][rows], state["key_before.weight"][rows],
+                                state["key.bias"][rows, None]), 1) for state in states) / len(states)
+        u, singular, vh = torch.linalg.svd(form, full_matrices=False)
+        query = (u[:, :rank] * singular[:rank].sqrt()).T
+        key = singular[:rank].sqrt()[:, None] * vh[:rank]
+        out["query.weight"][rows], out["query.bias"][rows] = query[:, :d], query[:, d]
+        out["key.weight"][rows], out["key_before.weight"][rows] = key[:, :d], key[:, d:2 * d]
+        out["key.bias"][rows] = key[:, 2 * d]
+    return out
+
+
+def pooled(model, saved: dict, orders: list, seed: int, pristine: dict, output: str | None,
+           data_seed: int = 0) -> None:
+    """For each order of the training rows, the library's fit, and the fits that beat the read-out pooled into one
+    path (`pooled_state`) and finished as the library finishes the one it keeps: all of them, those without the
+    pointer fitted first, and the best two by the held-out NLL as read."""
+    report = []
+    rank = model.abduction.context_values.rank
+    for order in orders:
+        train, _ = permuted(saved, order, data_seed)
+        with torch.no_grad():
+            _, _, _, loo = _write_readout(model, train["x"], train["y"], PENALTIES)
+        with Candidates() as study:
+            model.abduction.context_values.load_state_dict(pristine)
+            kept = study.fit(model, train, loo, seed, None)
+            report.append(_pooled_entry(model, saved, order, "library", kept, kept))
+            held = context_start.held_out_rows(len(train["y"]))
+            fits = []
+            for index, (split, pointer) in enumerate(study.calls):
+                held_out, state, _ = study.results[index]
+                if state is None or held_out >= kept["context_nll_linear"]:
+                    continue
+                as_read = float(held_out_as_read(model, split, state, held)[0].mean())
+                if as_read < float(held_out_as_read(model, split, None, held)[0].mean()):
+                    fits.append((as_read, pointer, state))
+            fits.sort(key=lambda fit: fit[0])
+            arms = {"pooled, all": [fit[2] for fit in fits],
+                    "pooled, without the pointer fitted first": [fit[2] for fit in fits if not fit[1]],
+                    "pooled, the best two": [fit[2] for fit in fits[:2]]}
+            done: list[list] = []
+            for name, states in arms.items():
+                if len(states) < 2 or states in done:
+                    continue
+                done.append(states)
+                state, calls = pooled_state(states, rank), []
+
+                def fit_from(small, loss, split, transform, noise, pointer=False, state=state, calls=calls):
+                    calls.append(pointer)  # the pooled state as the first fit, no other
+                    if len(calls) > 1:
+                        return 0.0, None, 0
+                    small.load_state_dict(state)
+                    return float(loss(small, True)), state, 0
+
+                context_start._fit_from = fit_from
+                model.abduction.context_values.load_state_dict(pristine)
+                record = context_start.fit_context_values(model, context_rows(train), train["x"], train["x_scale"],
+                                                          train["y"], seed=seed, loo_residuals=loo)
+                report.append(_pooled_entry(model, saved, order, f"{name} ({len(states)})", record, kept))
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(json.dumps(report, indent=1))
+
+
+def _pooled_entry(model, saved: dict, order, arm: str, record: dict, kept: dict) -> dict:
+    if record["context_seed"] is None:
+        print(f"  order {order}, {arm}: does not beat the read-out", flush=True)
+        return {"order": order, "arm": arm, "passes": False}
+    entry = {"order": order, "arm": arm, "passes": True, "held_out_nll_as_read": record["context_nll_as_read"]}
+    for split in SPLITS:
+        m = measure(model, saved, split)
+        entry[split] = {"per_template": m["per_template"], "coverage": m["coverage"]}
+    test, real = entry["test"], entry["real_test"]
+    print(f"  order {order}, {arm}: held-out NLL as read {record['context_nll_as_read']:.3f} (the library's "
+          f"{kept['context_nll_as_read']:.3f}); test mean {statistics.fmean(test['per_template'].values()):.3f}, "
+          f"coverage {test['coverage'][0]:.2f} / {test['coverage'][1]:.2f}; tables "
+          + ", ".join(f"{k} {v:.3f}" for k, v in real["per_template"].items())
+          + f", coverage {real['coverage'][0]:.2f} / {real['coverage'][1]:.2f}; repeat "
+          f"{test['per_template']['measurement_noise']:.4f} / "
+          f"{entry['extrapolation']['per_template']['measurement_noise']:.3f}; above the median: "
+          f"{', '.join(_above_median(saved, entry)) or 'none'}", flush=True)
+    return entry
+
+
 def choices(passing: list[dict]) -> dict[str, dict]:
     """The fit each rule keeps: the library's (least held-out NLL with the scaled copies, a fit with its pointer
     fitted first preferred), the least held-out NLL on the rows as read, and the medoid (the least mean absolute
@@ -517,7 +618,9 @@ def main() -> None:
                         "trainer: as CausalQwenTrainer reads them in run_experiment.py with --seed)")
     parser.add_argument("--candidates", action="store_true",
                         help="with --orders: report every fit the library chooses between (the library's fit only)")
-    parser.add_argument("--output", help="with --candidates: write the report as JSON here")
+    parser.add_argument("--pooled", action="store_true",
+                        help="with --orders: the library's fit against the fits pooled into one path")
+    parser.add_argument("--output", help="with --candidates or --pooled: write the report as JSON here")
     parser.add_argument("--analyse", metavar="REPORTS", help="read --candidates reports (comma-separated): how "
                         "well the held-out rows rank the fits' test error, per template and table")
     args = parser.parse_args()
@@ -537,8 +640,15 @@ def main() -> None:
     for split in SPLITS:
         medians = median_baseline(saved, split)
         print(f"{split} training median: " + ", ".join(f"{k} {v:.3f}" for k, v in medians.items()))
-    if args.orders and not args.candidates:
-        parser.error("--orders needs --candidates")
+    if args.orders and not (args.candidates or args.pooled):
+        parser.error("--orders needs --candidates or --pooled")
+    if args.pooled:
+        if not args.orders:
+            parser.error("--pooled needs --orders")
+        arm("library")
+        orders = [order if order == "trainer" else int(order) for order in args.orders.split(",")]
+        pooled(model, saved, orders, int(args.fit_seeds.split(",")[0]), pristine, args.output, args.seed)
+        return
     if args.candidates:
         if not args.orders:
             parser.error("--candidates needs --orders")
