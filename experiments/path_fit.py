@@ -17,6 +17,7 @@ and on the rows as read, and which one the library kept.
 
     python experiments/path_fit.py --read --rows runs/path_fit/rows.pt       # once
     python experiments/path_fit.py --rows runs/path_fit/rows.pt --arms library,guided
+    python experiments/path_fit.py --show unit_conversion    # each of its targets, as the library's fit predicts it
     python experiments/path_fit.py --orders 0,1,2,3,4,5 --candidates --output runs/path_fit/candidates.json
     python experiments/path_fit.py --orders trainer --candidates    # in CausalQwenTrainer's order
 
@@ -611,6 +612,7 @@ def main() -> None:
     parser.add_argument("--starts", type=int)
     parser.add_argument("--choices", action="store_true", help="also print each template's mean choice π̄")
     parser.add_argument("--only", help="fit on this template's training rows alone")
+    parser.add_argument("--show", metavar="TEMPLATE", help="also print each target of this template or table")
     parser.add_argument("--seed", type=int, default=0, help="the data's and the conversion's (as the rows were read)")
     parser.add_argument("--fit-seeds", default="0", help="comma-separated: each arm is fitted from each of these "
                         "seeds of the path's random starts (the library's: 0)")
@@ -673,6 +675,19 @@ def main() -> None:
             if args.choices:
                 print("    mean choice (read-out, copies, log, raw, mean): " + "; ".join(
                     f"{k} " + "/".join(f"{p:.2f}" for p in v) for k, v in m["choice"].items()), flush=True)
+            if args.show:
+                show_rows(model, saved, split, args.show)
+
+
+def show_rows(model, saved: dict, split: str, template: str) -> None:
+    """Each target of `template` on `split`: its value, the predicted median, the relative error and the choice."""
+    rows = saved[split]
+    median, _, _, choice = predict(model, rows)
+    for k, (name, true) in enumerate(zip(rows["templates"], rows["true"], strict=True)):
+        if name == template:
+            print(f"    {true:12.2f}: median {float(median[k]):12.2f}, relative error "
+                  f"{experiment.relative_error(float(median[k]), true):.3f}, choice (read-out, copies, log, raw, "
+                  f"mean) " + "/".join(f"{float(p):.2f}" for p in choice[k]), flush=True)
 
 
 if __name__ == "__main__":
