@@ -642,21 +642,13 @@ def main() -> None:
     for split in SPLITS:
         medians = median_baseline(saved, split)
         print(f"{split} training median: " + ", ".join(f"{k} {v:.3f}" for k, v in medians.items()))
-    if args.orders and not (args.candidates or args.pooled):
-        parser.error("--orders needs --candidates or --pooled")
-    if args.pooled:
-        if not args.orders:
-            parser.error("--pooled needs --orders")
+    study = pooled if args.pooled else candidates if args.candidates else None
+    if bool(args.orders) != (study is not None):
+        parser.error("--orders goes with --candidates or --pooled, and each of them with --orders")
+    if study is not None:
         arm("library")
         orders = [order if order == "trainer" else int(order) for order in args.orders.split(",")]
-        pooled(model, saved, orders, int(args.fit_seeds.split(",")[0]), pristine, args.output, args.seed)
-        return
-    if args.candidates:
-        if not args.orders:
-            parser.error("--candidates needs --orders")
-        arm("library")
-        orders = [order if order == "trainer" else int(order) for order in args.orders.split(",")]
-        candidates(model, saved, orders, int(args.fit_seeds.split(",")[0]), pristine, args.output, args.seed)
+        study(model, saved, orders, int(args.fit_seeds.split(",")[0]), pristine, args.output, args.seed)
         return
     for name, fit_seed in [(name, int(s)) for name in args.arms.split(",") for s in args.fit_seeds.split(",")]:
         model.abduction.context_values.load_state_dict(pristine)
