@@ -21,6 +21,14 @@ and on the rows as read, and which one the library kept.
     python experiments/path_fit.py --orders 0,1,2,3,4,5 --candidates --output runs/path_fit/candidates.json
     python experiments/path_fit.py --orders trainer --candidates    # in CausalQwenTrainer's order
 
+`--kept` (with `--orders`) fits the path as the library does in each order and measures the fit it keeps. The
+profile's test splits hold 9 to 15 targets per template; `--read-tests` reads larger draws of them (the profile's
+are their first examples), and `--tests` measures the kept fits on those too, where a template's median is not the
+draw of a dozen rows.
+
+    python experiments/path_fit.py --read-tests runs/path_fit/tests480.pt --test-size 480     # once, ~2 minutes
+    python experiments/path_fit.py --orders 0,1,2,3,4,5,6,7,8,9,trainer --kept --tests runs/path_fit/tests480.pt
+
 `--pooled` (with `--orders`) tries one path for several fits: the fits that beat the read-out, their scores
 averaged (`pooled_state`), finished as the library finishes the fit it keeps (tried, not kept: docs/experiments.md).
 
@@ -49,7 +57,13 @@ import run_experiment as experiment  # noqa: E402
 from causal_qwen import CausalQwenTokenizer, cauchy, context_start  # noqa: E402
 from causal_qwen.context_start import ContextRows  # noqa: E402
 from causal_qwen.context_values import entry_values  # noqa: E402
-from causal_qwen.data import CausalQwenDataCollator, template_baselines, tokenize_examples  # noqa: E402
+from causal_qwen.data import (  # noqa: E402
+    CausalQwenDataCollator,
+    make_splits,
+    real_splits,
+    template_baselines,
+    tokenize_examples,
+)
 from causal_qwen.starts import PENALTIES, _read_rows_in_eval, _write_readout  # noqa: E402
 
 SPLITS = ("test", "real_test", "extrapolation")
@@ -96,6 +110,40 @@ def read(args) -> None:
         print(f"{split}: {len(kept)} rows, {time.perf_counter() - t0:.0f}s", flush=True)
     Path(args.rows).parent.mkdir(parents=True, exist_ok=True)
     torch.save(saved, args.rows)
+
+
+def read_tests(args) -> None:
+    """Read the corpus's test and extrapolation splits with `--test-size` examples each (the profile's splits are
+    their first examples: each split is its own random stream) and the real tables' test split with rows the profile
+    does not use, and save their target rows to `--read-tests`."""
+    profile = experiment.PROFILES[args.profile]
+    corpus = make_splits(profile.n_train, 0, args.test_size, args.test_size, seed=args.seed)
+    tokenizer = CausalQwenTokenizer.from_pretrained(experiment.QWEN_DIR)
+    model = experiment.new_causal(profile, tokenizer, args.seed, context_values=True).eval()
+    data = experiment.load_data(profile, args.seed)
+    for split in ("test", "extrapolation"):
+        own = [ex.text for ex in data[split]]
+        assert [ex.text for ex in corpus[split][:len(own)]] == own, f"the profile's {split} split is not a prefix"
+    # The tables: the profile's test rows, then rows of the same tables the profile does not use, up to
+    # `test_size // 6` per table (the corpus's test split holds about that many targets per template).
+    seen = {ex.text for split in ("train", "validation", "real_test") for ex in data[split]}
+    every = [ex for part in real_splits(seed=args.seed).values() for ex in part]
+    tables = list(data["real_test"])
+    for name in dict.fromkeys(ex.template for ex in data["real_test"]):
+        own = sum(ex.template == name for ex in data["real_test"])
+        tables += [ex for ex in every if ex.template == name and ex.text not in seen][:args.test_size // 6 - own]
+    corpus["real_test"] = tables
+    saved = {}
+    t0 = time.perf_counter()
+    for split in SPLITS:
+        batches, kept = target_batches(tokenizer, corpus[split], profile.eval_batch)
+        rows = _read_rows_in_eval(model, batches, 10 ** 9, 0, "read")
+        assert len(rows.y) == len(kept), (len(rows.y), len(kept))
+        saved[split] = {**rows_dict(rows), "templates": [ex.template for ex in kept],
+                        "true": [ex.target_value for ex in kept]}
+        print(f"{split}: {len(kept)} rows, {time.perf_counter() - t0:.0f}s", flush=True)
+    Path(args.read_tests).parent.mkdir(parents=True, exist_ok=True)
+    torch.save(saved, args.read_tests)
 
 
 def rows_dict(rows) -> dict:
@@ -386,6 +434,52 @@ def candidates(model, saved: dict, orders: list, seed: int, pristine: dict, outp
         Path(output).write_text(json.dumps(report, indent=1))
 
 
+def kept_fits(model, saved: dict, orders: list, seed: int, pristine: dict, output: str | None,
+              data_seed: int = 0) -> None:
+    """For each order of the training rows, the fit the library keeps, measured on the saved splits and, where
+    `saved["tests"]` holds larger draws of the corpus's test splits (`--tests`), on those too: which templates and
+    tables are at or above their training median (bar 3) on each."""
+    larger = {**saved, **saved["tests"]} if "tests" in saved else None
+    report = []
+    for order in orders:
+        train, _ = permuted(saved, order, data_seed)
+        model.abduction.context_values.load_state_dict(pristine)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            _, _, _, loo = _write_readout(model, train["x"], train["y"], PENALTIES)
+        record = context_start.fit_context_values(model, context_rows(train), train["x"], train["x_scale"],
+                                                  train["y"], seed=seed, loo_residuals=loo)
+        entry = {"order": order, "seed": record["context_seed"], "pointer": record["context_pointer"],
+                 **{split: measure(model, saved, split) for split in SPLITS}}
+        entry["above"] = _above_median(saved, entry)
+        line = (f"order {order} ({time.perf_counter() - t0:.0f}s): kept seed {record['context_seed']}, pointer "
+                f"{record['context_pointer']}; test mean {statistics.fmean(entry['test']['per_template'].values()):.3f}"
+                f"; at or above the median: {', '.join(entry['above']) or 'none'}")
+        if larger is not None:
+            entry["larger"] = {split: measure(model, larger, split) for split in SPLITS}
+            entry["larger_above"] = _above_median(larger, entry["larger"])
+            line += (f" | larger splits: test mean "
+                     f"{statistics.fmean(entry['larger']['test']['per_template'].values()):.3f}; at or above: "
+                     f"{', '.join(entry['larger_above']) or 'none'}")
+        print(line, flush=True)
+        report.append(entry)
+    for key in ("above", "larger_above") if larger is not None else ("above",):
+        misses = Counter(name for entry in report for name in entry[key])
+        held = sum(not entry[key] for entry in report)
+        print(f"{'larger splits' if key == 'larger_above' else 'the profile splits'}: bar 3 held in {held} of "
+              f"{len(report)} orders; misses " + ", ".join(f"{name} {count}" for name, count in misses.most_common()))
+    if larger is not None:
+        rows = Counter(larger["test"]["templates"]), Counter(larger["extrapolation"]["templates"])
+        print("rows per template, larger test / extrapolation: " + ", ".join(
+            f"{name} {rows[0][name]}/{rows[1][name]}" for name in sorted(rows[0])))
+        for split in ("test", "extrapolation"):
+            print(f"  training median on the larger {split}: " + ", ".join(
+                f"{k} {v:.3f}" for k, v in median_baseline(larger, split).items()))
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(json.dumps(report, indent=1, default=lambda t: t.tolist()))
+
+
 def pooled_state(states: list[dict], rank: int) -> dict:
     """One path whose scores are the mean of those of the fits `states` (small paths on the same coordinates): the
     linear maps (the choice's and the mean's scores, the width) averaged, and each rank-r bilinear form (the copies'
@@ -622,14 +716,25 @@ def main() -> None:
                         help="with --orders: report every fit the library chooses between (the library's fit only)")
     parser.add_argument("--pooled", action="store_true",
                         help="with --orders: the library's fit against the fits pooled into one path")
-    parser.add_argument("--output", help="with --candidates or --pooled: write the report as JSON here")
+    parser.add_argument("--kept", action="store_true",
+                        help="with --orders: the fit the library keeps in each order, on the splits and --tests")
+    parser.add_argument("--output", help="with --candidates, --pooled or --kept: write the report as JSON here")
+    parser.add_argument("--read-tests", metavar="PATH", help="read larger draws of the corpus's test splits "
+                        "(--test-size examples each) and save them here")
+    parser.add_argument("--test-size", type=int, default=480)
+    parser.add_argument("--tests", metavar="PATH", help="with --kept: also measure on the splits --read-tests saved")
     parser.add_argument("--analyse", metavar="REPORTS", help="read --candidates reports (comma-separated): how "
                         "well the held-out rows rank the fits' test error, per template and table")
     args = parser.parse_args()
     if args.read:
         read(args)
         return
+    if args.read_tests:
+        read_tests(args)
+        return
     saved = torch.load(args.rows, weights_only=False)
+    if args.tests:
+        saved["tests"] = torch.load(args.tests, weights_only=False)
     profile = experiment.PROFILES[args.profile]
     tokenizer = CausalQwenTokenizer.from_pretrained(experiment.QWEN_DIR)
     model = experiment.new_causal(profile, tokenizer, args.seed, context_values=True).eval()
@@ -642,9 +747,9 @@ def main() -> None:
     for split in SPLITS:
         medians = median_baseline(saved, split)
         print(f"{split} training median: " + ", ".join(f"{k} {v:.3f}" for k, v in medians.items()))
-    study = pooled if args.pooled else candidates if args.candidates else None
+    study = pooled if args.pooled else candidates if args.candidates else kept_fits if args.kept else None
     if bool(args.orders) != (study is not None):
-        parser.error("--orders goes with --candidates or --pooled, and each of them with --orders")
+        parser.error("--orders goes with --candidates, --pooled or --kept, and each of them with --orders")
     if study is not None:
         arm("library")
         orders = [order if order == "trainer" else int(order) for order in args.orders.split(",")]
