@@ -22,11 +22,11 @@ and on the rows as read, and which one the library kept.
     python experiments/path_fit.py --orders trainer --candidates    # in CausalQwenTrainer's order
 
 `--kept` (with `--orders`) fits the path as the library does in each order and measures the fit it keeps. The
-profile's test splits hold 9 to 15 targets per template; `--read-tests` reads larger draws of them (the profile's
-are their first examples), and `--tests` measures the kept fits on those too, where a template's median is not the
-draw of a dozen rows.
+profile's test splits hold 9 to 15 targets per template and 16 per table; `--read-tests` reads larger draws of them
+(the corpus's: the profile's are their first examples; the tables': the profile's test rows and rows it does not use),
+and `--tests` measures the kept fits on those too, where a median is not the draw of a dozen rows.
 
-    python experiments/path_fit.py --read-tests runs/path_fit/tests480.pt --test-size 480     # once, ~2 minutes
+    python experiments/path_fit.py --read-tests runs/path_fit/tests480.pt --test-size 480     # once, ~3 minutes
     python experiments/path_fit.py --orders 0,1,2,3,4,5,6,7,8,9,trainer --kept --tests runs/path_fit/tests480.pt
 
 `--pooled` (with `--orders`) tries one path for several fits: the fits that beat the read-out, their scores
