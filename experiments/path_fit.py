@@ -30,6 +30,7 @@ and `--tests` measures the kept fits on those too, where a median is not the dra
     python experiments/path_fit.py --orders 0,1,2,3,4,5,6,7,8,9,trainer --kept --tests runs/path_fit/tests480.pt
     python experiments/path_fit.py --orders 0,1,2,3,4,5,6,7,8,9,trainer --kept --tests runs/path_fit/tests480.pt \
         --arms median-width       # a variant of the fit (one), in every study
+    python experiments/path_fit.py --kept-report runs/path_fit/kept.json --tests runs/path_fit/tests480.pt
 
 `--pooled` (with `--orders`) tries one path for several fits: the fits that beat the read-out, their scores
 averaged (`pooled_state`), finished as the library finishes the fit it keeps (tried, not kept: docs/experiments.md).
@@ -468,8 +469,8 @@ def candidates(model, saved: dict, orders: list, seed: int, pristine: dict, outp
 def kept_fits(model, saved: dict, orders: list, seed: int, pristine: dict, output: str | None,
               data_seed: int = 0) -> None:
     """For each order of the training rows, the fit the library keeps, measured on the saved splits and, where
-    `saved["tests"]` holds larger draws of the corpus's test splits (`--tests`), on those too: which templates and
-    tables are at or above their training median (bar 3) on each."""
+    `saved["tests"]` holds larger draws of the test splits (`--tests`), on those too: which templates and tables are
+    at or above their training median (bar 3) on each (`summarise_kept`: per template over the orders)."""
     larger = {**saved, **saved["tests"]} if "tests" in saved else None
     report = []
     for order in orders:
@@ -500,15 +501,34 @@ def kept_fits(model, saved: dict, orders: list, seed: int, pristine: dict, outpu
         print(f"{'larger splits' if key == 'larger_above' else 'the profile splits'}: bar 3 held in {held} of "
               f"{len(report)} orders; misses " + ", ".join(f"{name} {count}" for name, count in misses.most_common()))
     if larger is not None:
-        rows = Counter(larger["test"]["templates"]), Counter(larger["extrapolation"]["templates"])
-        print("rows per template, larger test / extrapolation: " + ", ".join(
-            f"{name} {rows[0][name]}/{rows[1][name]}" for name in sorted(rows[0])))
-        for split in ("test", "extrapolation"):
-            print(f"  training median on the larger {split}: " + ", ".join(
-                f"{k} {v:.3f}" for k, v in median_baseline(larger, split).items()))
+        summarise_kept(report, larger)
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(json.dumps(report, indent=1, default=lambda t: t.tolist()))
+
+
+def summarise_kept(report: list[dict], larger: dict) -> None:
+    """Per split of the larger draws: each template's and table's rows, training median, the error of a copy of the
+    last number stated, and the range over the orders of the kept fits' error; and the coverage's range."""
+    for split in SPLITS:
+        rows = larger[split]
+        copies: dict[str, list] = {}
+        for name, true, values, present in zip(rows["templates"], rows["true"], rows["context"]["values"],
+                                               rows["context"]["present"], strict=True):
+            last = float(values[int(present.sum()) - 1]) if bool(present.any()) else 0.0
+            copies.setdefault(name, []).append(experiment.relative_error(last, true))
+        medians = median_baseline(larger, split)
+        print(f"larger {split}: template rows, training median, copy of the last number, kept fits over the orders")
+        for name in sorted(medians):
+            errors = [entry["larger"][split]["per_template"][name] for entry in report]
+            print(f"  {name}: {len(copies[name])}, {medians[name]:.3f}, {statistics.median(copies[name]):.3f}, "
+                  f"{min(errors):.3f}-{max(errors):.3f}")
+        means = [statistics.fmean(entry["larger"][split]["per_template"].values()) for entry in report]
+        coverage = [entry["larger"][split]["coverage"] for entry in report]
+        print(f"  mean over templates {min(means):.3f}-{max(means):.3f}; coverage 50% "
+              f"{min(c[0] for c in coverage):.2f}-{max(c[0] for c in coverage):.2f} (mean "
+              f"{statistics.fmean(c[0] for c in coverage):.3f}), 90% {min(c[1] for c in coverage):.2f}-"
+              f"{max(c[1] for c in coverage):.2f} (mean {statistics.fmean(c[1] for c in coverage):.3f})")
 
 
 def pooled_state(states: list[dict], rank: int) -> dict:
@@ -754,6 +774,7 @@ def main() -> None:
                         "(--test-size examples each) and save them here")
     parser.add_argument("--test-size", type=int, default=480)
     parser.add_argument("--tests", metavar="PATH", help="with --kept: also measure on the splits --read-tests saved")
+    parser.add_argument("--kept-report", metavar="PATH", help="with --tests: summarise a --kept report again")
     parser.add_argument("--analyse", metavar="REPORTS", help="read --candidates reports (comma-separated): how "
                         "well the held-out rows rank the fits' test error, per template and table")
     args = parser.parse_args()
@@ -774,6 +795,11 @@ def main() -> None:
     pristine = copy.deepcopy(model.abduction.context_values.state_dict())
     if args.analyse:
         analyse(saved, args.analyse, args.seed)
+        return
+    if args.kept_report:
+        if not args.tests:
+            parser.error("--kept-report goes with --tests")
+        summarise_kept(json.loads(Path(args.kept_report).read_text()), {**saved, **saved["tests"]})
         return
     for split in SPLITS:
         medians = median_baseline(saved, split)
