@@ -54,7 +54,8 @@ def stacked(part: dict) -> list[torch.Tensor]:
 
 
 class Features:
-    """The rows' features for one form: r_t = features @ weights, and which rows have one earlier number."""
+    """The rows' features of each form and split, `(features, one)`: r_t = features @ weights, and which rows have
+    exactly one earlier number."""
 
     def __init__(self, saved: dict):
         self.saved, self.cache = saved, {}
@@ -131,9 +132,8 @@ def main() -> None:
 
     def kept(split: str, one_number: torch.Tensor, celsius: bool) -> torch.Tensor:
         names, variants = rows[split]
-        keep = torch.tensor([n == TEMPLATE and (celsius or v != "celsius_to_fahrenheit")
+        return torch.tensor([n == TEMPLATE and (celsius or v != "celsius_to_fahrenheit")
                              for n, v in zip(names, variants, strict=True)]) & one_number
-        return keep
 
     one = {split: features(split, "query", 0)[1] for split in ("train", "test", "extrapolation")}
     # The copy of the one stated number: r_t = v_1.
