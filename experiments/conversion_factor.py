@@ -50,7 +50,8 @@ _IRLS_FLOOR = 1e-3  # residuals below this weigh as this (relative error)
 
 
 def stacked(part: dict) -> list[torch.Tensor]:
-    return [torch.stack(part["context"][name]).double() for name in ("queries", "keys", "values", "present")]
+    """A split's path rows `(queries, keys, values, present)`, float64."""
+    return [t.double() for t in path_fit.context_rows(part).stacked(len(part["y"]))]
 
 
 class Features:

@@ -92,6 +92,14 @@ def target_batches(tokenizer, examples: list, batch: int):
     return batches, kept
 
 
+def read_targets(model, tokenizer, examples: list, batch: int) -> dict:
+    """The rows of each example's target (`target_batches`), with their templates and true values."""
+    batches, kept = target_batches(tokenizer, examples, batch)
+    rows = _read_rows_in_eval(model, batches, 10 ** 9, 0, "read")
+    assert len(rows.y) == len(kept), (len(rows.y), len(kept))
+    return {**rows_dict(rows), "templates": [ex.template for ex in kept], "true": [ex.target_value for ex in kept]}
+
+
 def read(args) -> None:
     profile = experiment.PROFILES[args.profile]
     data = experiment.load_data(profile, args.seed)
@@ -105,12 +113,8 @@ def read(args) -> None:
                                                      in template_baselines(data["train"]).items()}}
     print(f"training rows: {len(train.y)}, {time.perf_counter() - t0:.0f}s", flush=True)
     for split in SPLITS:
-        batches, kept = target_batches(tokenizer, data[split], profile.eval_batch)
-        rows = _read_rows_in_eval(model, batches, 10 ** 9, 0, "read")
-        assert len(rows.y) == len(kept), (len(rows.y), len(kept))
-        saved[split] = {**rows_dict(rows), "templates": [ex.template for ex in kept],
-                        "true": [ex.target_value for ex in kept]}
-        print(f"{split}: {len(kept)} rows, {time.perf_counter() - t0:.0f}s", flush=True)
+        saved[split] = read_targets(model, tokenizer, data[split], profile.eval_batch)
+        print(f"{split}: {len(saved[split]['true'])} rows, {time.perf_counter() - t0:.0f}s", flush=True)
     Path(args.rows).parent.mkdir(parents=True, exist_ok=True)
     torch.save(saved, args.rows)
 
@@ -139,12 +143,8 @@ def read_tests(args) -> None:
     saved = {}
     t0 = time.perf_counter()
     for split in SPLITS:
-        batches, kept = target_batches(tokenizer, corpus[split], profile.eval_batch)
-        rows = _read_rows_in_eval(model, batches, 10 ** 9, 0, "read")
-        assert len(rows.y) == len(kept), (len(rows.y), len(kept))
-        saved[split] = {**rows_dict(rows), "templates": [ex.template for ex in kept],
-                        "true": [ex.target_value for ex in kept]}
-        print(f"{split}: {len(kept)} rows, {time.perf_counter() - t0:.0f}s", flush=True)
+        saved[split] = read_targets(model, tokenizer, corpus[split], profile.eval_batch)
+        print(f"{split}: {len(saved[split]['true'])} rows, {time.perf_counter() - t0:.0f}s", flush=True)
     Path(args.read_tests).parent.mkdir(parents=True, exist_ok=True)
     torch.save(saved, args.read_tests)
 
