@@ -484,9 +484,19 @@ def kept_fits(model, saved: dict, orders: list, seed: int, pristine: dict, outpu
         Path(output).write_text(json.dumps(report, indent=1, default=lambda t: t.tolist()))
 
 
+def _coverage_line(coverage: list) -> str:
+    """The range and mean over the orders of `coverage` (`[50%, 90%]` per order), and the orders outside bar 1's
+    band at 50%."""
+    at_50, at_90 = [c[0] for c in coverage], [c[1] for c in coverage]
+    return (f"coverage 50% {min(at_50):.2f}-{max(at_50):.2f} (mean {statistics.fmean(at_50):.3f}), 90% "
+            f"{min(at_90):.2f}-{max(at_90):.2f} (mean {statistics.fmean(at_90):.3f}); orders below 0.40 at 50%: "
+            f"{sum(c < 0.40 for c in at_50)}, above 0.60: {sum(c > 0.60 for c in at_50)}")
+
+
 def summarise_kept(report: list[dict], larger: dict) -> None:
     """Per split of the larger draws: each template's and table's rows, training median, the error of a copy of the
-    last number stated, and the range over the orders of the kept fits' error; and the coverage's range."""
+    last number stated, and the range over the orders of the kept fits' error; and the coverage's range, also on the
+    profile's splits."""
     for split in SPLITS:
         rows = larger[split]
         copies: dict[str, list] = {}
@@ -501,11 +511,9 @@ def summarise_kept(report: list[dict], larger: dict) -> None:
             print(f"  {name}: {len(copies[name])}, {medians[name]:.3f}, {statistics.median(copies[name]):.3f}, "
                   f"{min(errors):.3f}-{max(errors):.3f}")
         means = [statistics.fmean(entry["larger"][split]["per_template"].values()) for entry in report]
-        coverage = [entry["larger"][split]["coverage"] for entry in report]
-        print(f"  mean over templates {min(means):.3f}-{max(means):.3f}; coverage 50% "
-              f"{min(c[0] for c in coverage):.2f}-{max(c[0] for c in coverage):.2f} (mean "
-              f"{statistics.fmean(c[0] for c in coverage):.3f}), 90% {min(c[1] for c in coverage):.2f}-"
-              f"{max(c[1] for c in coverage):.2f} (mean {statistics.fmean(c[1] for c in coverage):.3f})")
+        print(f"  mean over templates {min(means):.3f}-{max(means):.3f}; "
+              + _coverage_line([entry["larger"][split]["coverage"] for entry in report]))
+        print(f"  the profile's {split} split: " + _coverage_line([entry[split]["coverage"] for entry in report]))
 
 
 def pooled_state(states: list[dict], rank: int) -> dict:
