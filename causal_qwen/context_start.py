@@ -582,15 +582,15 @@ def _calibrate_width(small, transform, held_out: _Rows, noise: float,
                      floor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """A shift of log ρ for the read-out's share of the choice and one for the path's (added to `width_by_choice`,
     the path's entries alike), and a map of the query's leading principal coordinates (added to the width's
-    map `a`), that minimise the value's NLL on the held-out rows, the shifts then widened alike to their median
-    (`_median_shift`): `(shift [5], map [dims])`.
+    map `a`), that minimise the value's NLL on the held-out rows: `(shift [5], map [dims])`.
 
     The path's locations and widths are fitted on the same rows, where its errors are smaller than on new text, so
-    its widths come out narrow: 50% intervals covered about a quarter of the test targets on Qwen2.5-0.5B. So shifts
-    fitted on rows the locations never saw calibrate the intervals. Two, because a guess of the read-out and a
-    reading of the context miss by different amounts; not one per choice in π̄ = (π_0, Σ_j π_j, π_ℓ, π_r, π_μ),
-    because a choice that the held-out rows hardly make has no residuals to fit, and its shift drifted to ±80 on the
-    tiny model of tests/test_keep_start.py, which then misjudged the width wherever that choice was made.
+    its widths come out narrow: 50% intervals covered about a quarter of the test targets on Qwen2.5-0.5B. The Cauchy
+    NLL of a scale is least where the residuals fall inside the 50% interval half the time, so shifts fitted on rows
+    the locations never saw calibrate the intervals. Two, because a guess of the read-out and a reading of the
+    context miss by different amounts; not one per choice in π̄ = (π_0, Σ_j π_j, π_ℓ, π_r, π_μ), because a choice
+    that the held-out rows hardly make has no residuals to fit, and its shift drifted to ±80 on the tiny model of
+    tests/test_keep_start.py, which then misjudged the width wherever that choice was made.
 
     The map, because rows of different kinds miss by different amounts whatever they chose: with the two shifts alone
     one width served the corpus's copies and the tables' ones, and the corpus's 50% intervals covered 0.38-0.40 of
@@ -627,29 +627,7 @@ def _calibrate_width(small, transform, held_out: _Rows, noise: float,
     shift, reading = shift.detach(), reading.detach()
     if not (torch.isfinite(shift).all() and torch.isfinite(reading).all()):
         return torch.zeros(choice.shape[1], dtype=torch.float64), torch.zeros(dims, dtype=torch.float64)
-    log_width = log_width + shares @ shift + coords @ reading
-    shift = shift + _median_shift((held_out.target - loc).abs(), fixed, log_width, noise, floor)
     return torch.cat((shift[:1], shift[1:].expand(choice.shape[1] - 1))), reading
-
-
-def _median_shift(residual: torch.Tensor, fixed: torch.Tensor, log_width: torch.Tensor, noise: float,
-                  floor: float) -> float:
-    """The least shift of log ρ, common to every row and at least 0, at which the value's 50% interval holds at
-    least half of the absolute `residual`s `[N]` (its half-width is the scale, max(fixed + noise·ρ, floor)).
-
-    A Cauchy's scale is the median of |Y − m|, and the NLL's scale equals it only where the residuals have a Cauchy's
-    shape. Over eleven orders of the start's rows on Qwen2.5-0.5B, which hold out other rows, the NLL's widths left the
-    50% intervals covering 0.38-0.51 of the corpus's test targets (0.44 on average) and 0.33-0.48 of the tables'
-    (0.42), while the 90% ones covered 0.85-0.95 and 0.95-0.97: residuals with lighter tails than a Cauchy's, whose
-    NLL scale lies below their median. Shifted to the held-out rows' median, 0.39-0.55 (0.46) and 0.38-0.50 (0.45), the
-    90% ones 0.87-0.96 and 0.96-0.97 (docs/experiments.md, "The kept fits on larger test splits"). Never narrower than
-    the NLL's: the held-out rows also chose the fit's step and start, so new text misses by more than they do, and
-    where more than half of them are copies exact to float precision any width holds them."""
-    # Row i is inside from the shift log((|r_i| − fixed_i) / noise) − log ρ_i on; at any shift where the floor or the
-    # read-out's own spread already covers it (log 0 = −inf).
-    inside_from = ((residual - fixed).clamp(min=0.0) / noise).log() - log_width
-    inside_from = inside_from.masked_fill(residual <= floor, float("-inf"))
-    return max(0.0, float(inside_from.kthvalue(math.ceil(len(residual) / 2)).values))
 
 
 @torch.no_grad()

@@ -29,7 +29,7 @@ and `--tests` measures the kept fits on those too, where a median is not the dra
     python experiments/path_fit.py --read-tests runs/path_fit/tests480.pt --test-size 480     # once, ~3 minutes
     python experiments/path_fit.py --orders 0,1,2,3,4,5,6,7,8,9,trainer --kept --tests runs/path_fit/tests480.pt
     python experiments/path_fit.py --orders 0,1,2,3,4,5,6,7,8,9,trainer --kept --tests runs/path_fit/tests480.pt \
-        --arms nll-width          # a variant of the fit (one), in every study
+        --arms median-width       # a variant of the fit (one), in every study
     python experiments/path_fit.py --kept-report runs/path_fit/kept.json --tests runs/path_fit/tests480.pt
 
 `--pooled` (with `--orders`) tries one path for several fits: the fits that beat the read-out, their scores
@@ -245,7 +245,30 @@ _ADAM = torch.optim.Adam
 _SYMLOG = cauchy.symlog
 _FIT_FROM = context_start._fit_from
 _FIT_CHOICE = context_start._fit_choice
-_MEDIAN_SHIFT = context_start._median_shift
+_CALIBRATE_WIDTH = context_start._calibrate_width
+
+
+def _median_width(small, transform, held_out, noise: float, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_calibrate_width`, then one more shift of log ρ, common to every entry of π̄, that puts half the held-out
+    targets inside their 50% interval (a Cauchy's 50% half-width is its scale): the NLL's width where the residuals
+    are not Cauchy-shaped is a compromise between the levels."""
+    shift, reading = _CALIBRATE_WIDTH(small, transform, held_out, noise, floor)
+    with torch.no_grad():
+        read = context_start._read(small, transform, held_out)
+    loc = (read.linear_weight * held_out.loc_linear[:, None] + read.offset)[:, 0]
+    fixed = (read.linear_weight * held_out.spread[:, None])[:, 0]
+    log_width = read.width[:, 0].log() + read.choice[:, 0] @ shift + held_out.queries[:, :len(reading)] @ reading
+    residual = (held_out.target - loc).abs()
+
+    def coverage(delta: float) -> float:
+        width = (log_width + delta).clamp(-context_start.MAX_LOG_WIDTH, context_start.MAX_LOG_WIDTH).exp()
+        return float((residual <= (fixed + noise * width).clamp(min=floor)).double().mean())
+
+    low, high = -20.0, 20.0  # coverage rises with the shift
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if coverage(middle) < 0.5 else (low, middle)
+    return shift + high, reading
 
 
 def _combinations_read_roles(small, *args, **kwargs):
@@ -269,22 +292,22 @@ def arm(name: str) -> None:
     `dims=D` (principal coordinates), `patience=P`, `lr=R`, `wd=W` (AdamW's decoupled weight decay), or
     `zero-gradient` (symlog as it was, whose derivative at 0 autograd gave as 0), or `roles` (the combinations'
     keys read the words before each number, not its own features), or `no-choice` (no fit of the mean's score), or
-    `nll-width` (the widths as the held-out NLL leaves them, without the shift to its median: `_median_shift`)."""
+    `median-width` (the widths then shifted to cover half the held-out targets at 50%: `_median_width`)."""
     for key, value in _LIBRARY.items():
         setattr(context_start, key, value)
     context_start.torch.optim.Adam = _ADAM
     cauchy.symlog = _SYMLOG
     context_start._fit_from = _FIT_FROM
     context_start._fit_choice = _FIT_CHOICE
-    context_start._median_shift = _MEDIAN_SHIFT
+    context_start._calibrate_width = _CALIBRATE_WIDTH
     if name == "library":
         return
     for part in name.split("+"):
         if part == "roles":
             context_start._fit_from = _combinations_read_roles
             continue
-        if part == "nll-width":  # the widths as the held-out NLL leaves them
-            context_start._median_shift = lambda *args: 0.0
+        if part == "median-width":  # the widths shifted to cover half the held-out targets at 50%
+            context_start._calibrate_width = _median_width
             continue
         if part == "no-choice":  # the mean's score as the locations' fit leaves it
             context_start._fit_choice = lambda *args, **kwargs: None
