@@ -249,9 +249,11 @@ _CALIBRATE_WIDTH = context_start._calibrate_width
 
 
 def _median_width(small, transform, held_out, noise: float, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_calibrate_width`, then one more shift of log ρ, common to every entry of π̄, that puts half the held-out
-    targets inside their 50% interval (a Cauchy's 50% half-width is its scale): the NLL's width where the residuals
-    are not Cauchy-shaped is a compromise between the levels."""
+    """`_calibrate_width`, then one more shift of log ρ, common to every entry of π̄ and at least 0, the least that
+    puts half the held-out targets inside their 50% interval (a Cauchy's 50% half-width is its scale): the NLL's
+    width where the residuals are not Cauchy-shaped is a compromise between the levels. Never narrower than the
+    NLL's, so that held-out rows most of which are exact copies (any width holds them) do not shrink it to the
+    floor."""
     shift, reading = _CALIBRATE_WIDTH(small, transform, held_out, noise, floor)
     with torch.no_grad():
         read = context_start._read(small, transform, held_out)
@@ -268,7 +270,7 @@ def _median_width(small, transform, held_out, noise: float, floor: float) -> tup
     for _ in range(60):
         middle = (low + high) / 2
         low, high = (middle, high) if coverage(middle) < 0.5 else (low, middle)
-    return shift + high, reading
+    return shift + max(high, 0.0), reading
 
 
 def _combinations_read_roles(small, *args, **kwargs):
@@ -292,7 +294,7 @@ def arm(name: str) -> None:
     `dims=D` (principal coordinates), `patience=P`, `lr=R`, `wd=W` (AdamW's decoupled weight decay), or
     `zero-gradient` (symlog as it was, whose derivative at 0 autograd gave as 0), or `roles` (the combinations'
     keys read the words before each number, not its own features), or `no-choice` (no fit of the mean's score), or
-    `median-width` (the widths then shifted to cover half the held-out targets at 50%: `_median_width`)."""
+    `median-width` (the widths then widened to cover half the held-out targets at 50%: `_median_width`)."""
     for key, value in _LIBRARY.items():
         setattr(context_start, key, value)
     context_start.torch.optim.Adam = _ADAM
