@@ -102,11 +102,23 @@ def repeat_example(example: NumericExample) -> NumericExample:
     return _asking(example, prompt, f"{fields['high']:g}", ".", "seattle_high_repeated", "high_repeated")
 
 
-def task_splits(task: str, rows: int, seed: int) -> dict[str, list[NumericExample]]:
+def task_splits(task: str, rows: int, seed: int, test_rows: int | None = None) -> dict[str, list[NumericExample]]:
     """The real tables (`tables`), the cars rows asking for a ratio (`ratio`), or the Seattle rows asking for a
-    stated value again (`repeat`)."""
+    stated value again (`repeat`). With `test_rows` (`tables` only), each table's test split is its own test rows,
+    then rows of the same table no split uses, up to `test_rows` of them: the training pairs stay the same."""
     if task == "tables":
-        return real_splits(n_per_dataset=rows, seed=seed)
+        splits = real_splits(n_per_dataset=rows, seed=seed)
+        if test_rows is not None:
+            seen = {ex.text for part in splits.values() for ex in part}
+            every = [ex for part in real_splits(seed=seed).values() for ex in part]
+            test = []
+            for name in dict.fromkeys(ex.template for ex in splits["test"]):
+                own = [ex for ex in splits["test"] if ex.template == name]
+                test += own + [ex for ex in every if ex.template == name and ex.text not in seen][:test_rows - len(own)]
+            splits["test"] = test
+        return splits
+    if test_rows is not None:
+        raise ValueError(f"test_rows applies to the tables task only, got task={task!r}")
     table, rewrite = {"repeat": ("seattle_weather", repeat_example), "ratio": ("cars", ratio_example)}[task]
     return {split: [rewrite(ex) for ex in examples]
             for split, examples in real_splits(names=[table], seed=seed).items()}
@@ -178,6 +190,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--rows", type=int, default=160, help="rows per table (split 80/10/10)")
     parser.add_argument("--train-rows", type=int, default=128, help="training pairs kept (the tables mixed)")
+    parser.add_argument("--test-rows", type=int, help="test rows per table: the profile's, then rows it does not use "
+                                                      "(the training pairs unchanged; tables only)")
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--task", default="tables", choices=("tables", "ratio", "repeat"),
@@ -207,7 +221,7 @@ def main() -> None:
     results = prompt_completion(
         Path(args.output), arms, profile=profile, tokenizer=tokenizer, seed=args.seed, steps=args.steps,
         every=args.every, batch_size=args.batch_size, rows=args.rows, train_rows=args.train_rows, task=args.task,
-        config=config)
+        config=config, test_rows=args.test_rows)
     results["args"] = vars(args)
     (Path(args.output) / "results.json").write_text(json.dumps(results, indent=1, default=str))
     print(table(results))
@@ -216,12 +230,12 @@ def main() -> None:
 
 def prompt_completion(out: Path, arms: list[str], *, profile, tokenizer, seed: int = 0, steps: int = 12,
                       every: int = 6, batch_size: int = 8, rows: int = 160, train_rows: int = 128,
-                      task: str = "tables", config: dict | None = None) -> dict:
+                      task: str = "tables", config: dict | None = None, test_rows: int | None = None) -> dict:
     """Train and measure each of `arms` from the same converted model; writes `results.json` and the plot into
     `out` and returns the results (`table` prints them)."""
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    splits = task_splits(task, rows, seed)
+    splits = task_splits(task, rows, seed, test_rows)
     train = splits["train"]
     random.Random(seed).shuffle(train)
     train, test = train[:train_rows], experiment.with_target(splits["test"])
