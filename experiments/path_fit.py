@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import statistics
 import sys
 import time
@@ -159,14 +160,16 @@ def context_rows(saved: dict) -> ContextRows:
 
 
 @torch.no_grad()
-def predict(model, saved: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The value's `(median, loc_Y, scale_Y)` at each saved row, through the model's read-out and path (float64),
-    and the path's choice π̄ = (π_0, Σ_j π_j, π_ℓ, π_r, π_μ) `[N, 5]`."""
+def predict(model, saved: dict, loc_linear: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The value's `(median, loc_Y, scale_Y)` at each saved row, through the model's read-out (or its locations
+    `loc_linear` `[N]`) and path (float64), and the path's choice π̄ = (π_0, Σ_j π_j, π_ℓ, π_r, π_μ) `[N, 5]`."""
     action, config = model.action, model.config
     path = copy.deepcopy(model.abduction.context_values).double()
     queries, keys, values, present = context_rows(saved).stacked(len(saved["y"]))
     w = action.reg_head.weight.double()[0]
-    loc_linear = saved["x"].double() @ w + float(action.reg_head.bias)
+    if loc_linear is None:
+        loc_linear = saved["x"].double() @ w + float(action.reg_head.bias)
     spread = (saved["x_scale"].double() + action.b_noise.double().abs()) @ w.abs()
     noise = float(action.reg_log_noise.exp())
     own, before = keys.double().chunk(2, dim=-1)
@@ -486,6 +489,9 @@ def kept_fits(model, saved: dict, orders: list, seed: int, pristine: dict, outpu
         entry = {"order": order, "seed": record["context_seed"], "pointer": record["context_pointer"],
                  **{split: measure(model, saved, split) for split in SPLITS}}
         entry["above"] = _above_median(saved, entry)
+        entry["held"] = held_coverage(model, saved, train, loo, order, data_seed)
+        print("  held-out rows, coverage 50% / 90% (rows): " + "; ".join(
+            f"{kind} {c50:.2f} / {c90:.2f} ({n})" for kind, (c50, c90, n) in entry["held"].items()), flush=True)
         line = (f"order {order} ({time.perf_counter() - t0:.0f}s): kept seed {record['context_seed']}, pointer "
                 f"{record['context_pointer']}; test mean {statistics.fmean(entry['test']['per_template'].values()):.3f}"
                 f"; at or above the median: {', '.join(entry['above']) or 'none'}")
@@ -507,6 +513,25 @@ def kept_fits(model, saved: dict, orders: list, seed: int, pristine: dict, outpu
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(json.dumps(report, indent=1, default=lambda t: t.tolist()))
+
+
+def held_coverage(model, saved: dict, train: dict, loo: torch.Tensor, order, data_seed: int) -> dict:
+    """The 50% / 90% coverage at the fit's held-out rows as its calibration read them (the read-out's locations
+    leave-one-out), `{kind: [50%, 90%, rows]}`: the texts' targets (their last numbers, what the test splits
+    measure) and their earlier numbers, of the corpus and of the tables."""
+    held = torch.arange(len(train["y"])) % context_start._HELD_OUT_EVERY == 0
+    templates, last, _ = held_out_targets(saved, order, data_seed)
+    rows = subset(train, held)
+    _, loc, scale, _ = predict(model, rows, (train["y"].double() - loo.double())[held])
+    miss = (rows["y"].double() - loc).abs() / scale
+    tables = set(saved["real_test"]["templates"])
+    kinds = {}
+    for k, (template, is_last) in enumerate(zip(templates, last.tolist(), strict=True)):
+        kind = f"{'tables' if template in tables else 'corpus'} {'targets' if is_last else 'earlier numbers'}"
+        kinds.setdefault(kind, []).append(float(miss[k]))
+    half_widths = (1.0, math.tan(0.45 * math.pi))  # a Cauchy's central 50% and 90% intervals, in scales
+    return {kind: [statistics.fmean(m <= w for m in misses) for w in half_widths] + [len(misses)]
+            for kind, misses in sorted(kinds.items())}
 
 
 def _coverage_line(coverage: list) -> str:
