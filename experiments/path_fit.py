@@ -32,6 +32,14 @@ and `--tests` measures the kept fits on those too, where a median is not the dra
         --arms median-width       # a variant of the fit (one), in every study
     python experiments/path_fit.py --kept-report runs/path_fit/kept.json --tests runs/path_fit/tests480.pt
 
+`--kept` also prints the coverage at each fit's held-out rows as its calibration read them (`held_coverage`): the
+texts' targets and their earlier numbers apart. `--measure-model` measures a model `run_experiment.py` saved (its
+read-out and path on the saved rows: the frozen backbone reads them as it did) on the splits and the larger draws;
+`--undo-shift ORDER` also takes off a common shift of its widths beyond the calibration's optimum on the held-out
+rows in that order (`common_width_shift`: a run of the widths' shift to the held-out median, not the library's).
+
+    python experiments/path_fit.py --measure-model runs/experiment/a/final --tests runs/path_fit/tests480.pt
+
 `--pooled` (with `--orders`) tries one path for several fits: the fits that beat the read-out, their scores
 averaged (`pooled_state`), finished as the library finishes the fit it keeps (tried, not kept: docs/experiments.md).
 
@@ -58,7 +66,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_experiment as experiment  # noqa: E402
 
-from causal_qwen import CausalQwenTokenizer, cauchy, context_start  # noqa: E402
+from causal_qwen import CausalQwenForCausalLM, CausalQwenTokenizer, cauchy, context_start  # noqa: E402
 from causal_qwen.context_start import ContextRows  # noqa: E402
 from causal_qwen.context_values import entry_values  # noqa: E402
 from causal_qwen.data import (  # noqa: E402
@@ -68,7 +76,7 @@ from causal_qwen.data import (  # noqa: E402
     template_baselines,
     tokenize_examples,
 )
-from causal_qwen.starts import PENALTIES, _read_rows_in_eval, _write_readout  # noqa: E402
+from causal_qwen.starts import PENALTIES, _read_rows_in_eval, _ridge, _write_readout  # noqa: E402
 
 SPLITS = ("test", "real_test", "extrapolation")
 
@@ -566,6 +574,85 @@ def summarise_kept(report: list[dict], larger: dict) -> None:
         print(f"  the profile's {split} split: " + _coverage_line([entry[split]["coverage"] for entry in report]))
 
 
+@torch.no_grad()
+def common_width_shift(model, saved: dict, order, data_seed: int) -> float:
+    """The shift δ ≥ 0 of every entry of the path's β (so of log ρ at every row) that the widths' calibration on the
+    held-out rows in `order` left out of its optimum: where the saved widths less δ make the calibration's objective
+    (the held-out NLL with the read-out's locations leave-one-out, plus its ridge on the read-out's and the path's
+    shifts, `context_width_shift` of the saved fit) stationary along a common shift. A model saved with the widths
+    shifted to the held-out median after that calibration (not the library's) has its δ recovered so."""
+    train, _ = permuted(saved, order, data_seed)
+    _, _, _, _, loo = _ridge(train["x"].double(), train["y"].double(), PENALTIES)
+    held = torch.arange(len(train["y"])) % context_start._HELD_OUT_EVERY == 0
+    rows = subset(train, held)
+    loc_linear = (train["y"].double() - loo)[held]
+    action, config = model.action, model.config
+    path = copy.deepcopy(model.abduction.context_values).double()
+    queries, keys, values, present = context_rows(rows).stacked(len(rows["y"]))
+    own, before = keys.double().chunk(2, dim=-1)
+    read = path.read(queries.double()[:, None], path.keys(own, before),
+                     entry_values(present, values, config.value_transform), present[:, None], config.value_transform)
+    w = action.reg_head.weight.double()[0]
+    spread = (rows["x_scale"].double() + action.b_noise.double().abs()) @ w.abs()
+    loc = (read.linear_weight[:, 0] * loc_linear + read.offset[:, 0])
+    fixed = read.linear_weight[:, 0] * spread
+    width = read.width[:, 0] * float(action.reg_log_noise.exp())
+    a_s, b_s = model.config.value_head_fit["context_width_shift"][:2]
+
+    def slope(delta: float) -> float:
+        c = torch.zeros((), dtype=torch.float64, requires_grad=True)
+        with torch.enable_grad():
+            scale = (fixed + width * torch.exp(c - delta)).clamp(min=config.scale_min)
+            cauchy.nll(rows["y"].double(), loc, scale).mean().backward()
+        return float(c.grad) + 2 * context_start._CALIBRATION_RIDGE * (a_s + b_s - 2 * delta)
+
+    if slope(0.0) <= 0:  # the saved widths are at the optimum or narrower: no shift beyond it
+        return 0.0
+    low, high = 0.0, 10.0
+    for _ in range(60):  # the slope falls with δ (wider than the optimum, a wider shift costs)
+        middle = (low + high) / 2
+        low, high = (middle, high) if slope(middle) > 0 else (low, middle)
+    return (low + high) / 2
+
+
+def measure_saved(folder: str, saved: dict, undo_shift_order=None, data_seed: int = 0) -> None:
+    """The value of the model saved in `folder` on the saved splits and, with `--tests`, the larger draws: each
+    template's and table's error against its training median, the mean over templates and the coverage. With
+    `undo_shift_order`, also with the common shift of its widths that the calibration in that order left out
+    (`common_width_shift`) taken off."""
+    model = CausalQwenForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    _measure_saved(model, saved)
+    if undo_shift_order is not None:
+        delta = common_width_shift(model, saved, undo_shift_order, data_seed)
+        with torch.no_grad():
+            path = model.abduction.context_values
+            path.width_by_choice -= delta
+            path.mean_width -= delta
+        print(f"the widths less the common shift δ = {delta:.5f} left out of the calibration's optimum:")
+        _measure_saved(model, saved)
+        train, _ = permuted(saved, undo_shift_order, data_seed)
+        loo = _ridge(train["x"].double(), train["y"].double(), PENALTIES)[-1]
+        print("  its held-out rows in that order, coverage 50% / 90% (rows): " + "; ".join(
+            f"{kind} {c50:.2f} / {c90:.2f} ({n})" for kind, (c50, c90, n)
+            in held_coverage(model, saved, train, loo, undo_shift_order, data_seed).items()))
+
+
+def _measure_saved(model, saved: dict) -> None:
+    draws = {"the profile's splits": saved}
+    if "tests" in saved:
+        draws["the larger splits"] = {**saved, **saved["tests"]}
+    for name, rows in draws.items():
+        entry = {split: measure(model, rows, split) for split in SPLITS}
+        print(f"{name}: at or above the median: {', '.join(_above_median(rows, entry)) or 'none'}")
+        for split in SPLITS:
+            medians = median_baseline(rows, split)
+            per = entry[split]["per_template"]
+            c50, c90 = entry[split]["coverage"]
+            print(f"  {split} ({len(rows[split]['true'])} targets): "
+                  + ", ".join(f"{t} {e:.3f} ({medians[t]:.3f})" for t, e in per.items())
+                  + f"; mean over templates {statistics.fmean(per.values()):.3f}; coverage {c50:.3f} / {c90:.3f}")
+
+
 def pooled_state(states: list[dict], rank: int) -> dict:
     """One path whose scores are the mean of those of the fits `states` (small paths on the same coordinates): the
     linear maps (the choice's and the mean's scores, the width) averaged, and each rank-r bilinear form (the copies'
@@ -810,6 +897,11 @@ def main() -> None:
     parser.add_argument("--test-size", type=int, default=480)
     parser.add_argument("--tests", metavar="PATH", help="with --kept: also measure on the splits --read-tests saved")
     parser.add_argument("--kept-report", metavar="PATH", help="with --tests: summarise a --kept report again")
+    parser.add_argument("--measure-model", metavar="DIR", help="measure a saved CausalQwen model's value (its "
+                        "read-out and path on the saved rows, which its frozen backbone reads as the rows' did) on "
+                        "the splits and --tests")
+    parser.add_argument("--undo-shift", metavar="ORDER", help="with --measure-model: also with the common shift of "
+                        "the widths beyond the calibration's optimum on the held-out rows in this order taken off")
     parser.add_argument("--analyse", metavar="REPORTS", help="read --candidates reports (comma-separated): how "
                         "well the held-out rows rank the fits' test error, per template and table")
     args = parser.parse_args()
@@ -822,6 +914,15 @@ def main() -> None:
     saved = torch.load(args.rows, weights_only=False)
     if args.tests:
         saved["tests"] = torch.load(args.tests, weights_only=False)
+    if args.measure_model:
+        if args.undo_shift:
+            saved["train_templates"], saved["train_texts"] = train_templates(
+                experiment.PROFILES[args.profile], CausalQwenTokenizer.from_pretrained(experiment.QWEN_DIR),
+                args.seed)
+        order = None if args.undo_shift is None else (args.undo_shift if args.undo_shift == "trainer"
+                                                      else int(args.undo_shift))
+        measure_saved(args.measure_model, saved, order, args.seed)
+        return
     profile = experiment.PROFILES[args.profile]
     tokenizer = CausalQwenTokenizer.from_pretrained(experiment.QWEN_DIR)
     model = experiment.new_causal(profile, tokenizer, args.seed, context_values=True).eval()
