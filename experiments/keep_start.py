@@ -38,6 +38,7 @@ with its horsepower and weight, the completion its pounds per horsepower (weight
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import json
 import random
@@ -102,6 +103,95 @@ def repeat_example(example: NumericExample) -> NumericExample:
     return _asking(example, prompt, f"{fields['high']:g}", ".", "seattle_high_repeated", "high_repeated")
 
 
+_MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+           "November", "December")
+_CUTS = ("Fair", "Good", "Very Good", "Premium", "Ideal")
+_COLOURS = ("J", "I", "H", "G", "F", "E", "D")
+_CLARITIES = ("I1", "SI2", "SI1", "VS2", "VS1", "VVS2", "VVS1", "IF")
+
+
+def _plotnine_table(name: str) -> list[dict[str, str]]:
+    """The rows of a table plotnine ships (`pip install plotnine`)."""
+    from importlib.resources import files
+
+    with (files("plotnine") / "data" / f"{name}.csv").open(encoding="utf-8") as handle:
+        return list(csv.DictReader(handle))
+
+
+def _asked(prompt: str, number: str, after: str, template: str, inputs: dict[str, float]) -> NumericExample:
+    return NumericExample(text=prompt + number + after, template=template, language="en",
+                          target_value=float(number), target_char_span=(len(prompt), len(prompt) + len(number)),
+                          split="", variant=template, inputs=inputs)
+
+
+def diamond_price(row: dict[str, str]) -> NumericExample:
+    """A diamond's price from its carat, cut, colour, clarity and size."""
+    prompt = (f"A diamond of {row['carat']} carat, {row['cut']} cut, colour {row['color']}, clarity "
+              f"{row['clarity']}, {row['x']} by {row['y']} by {row['z']} mm: its price is $")
+    inputs = {"carat": float(row["carat"]), "cut": _CUTS.index(row["cut"]), "color": _COLOURS.index(row["color"]),
+              "clarity": _CLARITIES.index(row["clarity"]), **{k: float(row[k]) for k in ("x", "y", "z")}}
+    return _asked(prompt, row["price"], ".", "diamond_price", inputs)
+
+
+def diamond_price_per_carat(row: dict[str, str]) -> NumericExample:
+    """A diamond's price per carat from its price and carat: a ratio of two values stated before it."""
+    prompt = f"A diamond of {row['carat']} carat sold for ${row['price']}: its price per carat is $"
+    number = f"{float(row['price']) / float(row['carat']):.2f}"
+    return _asked(prompt, number, ".", "diamond_price_per_carat",
+                  {"carat": float(row["carat"]), "price": float(row["price"])})
+
+
+def texas_median_price(row: dict[str, str]) -> NumericExample:
+    """A Texas city's median home sale price in a month, from its sales, their volume, listings and inventory."""
+    prompt = (f"In {row['city']}, Texas, in {_MONTHS[int(row['month']) - 1]} {row['year']}, {row['sales']} homes "
+              f"sold for {int(float(row['volume']))} dollars in all, with {row['listings']} listings and "
+              f"{row['inventory']} months of inventory: the median sale price was $")
+    inputs = {k: float(row[k]) for k in ("year", "month", "sales", "volume", "listings", "inventory")}
+    return _asked(prompt, str(int(float(row["median"]))), ".", "texas_median_price", inputs)
+
+
+def _drawn_splits(examples: list[NumericExample], rows: int, seed: int, name: str) -> dict[str, list]:
+    """`rows` of `examples` drawn in a random order of their own and cut 80/10/10, as `real_splits` cuts a table."""
+    order = random.Random(f"{name}-{seed}").sample(range(len(examples)), min(rows, len(examples)))
+    cut = (int(len(order) * 0.8), int(len(order) * 0.9))
+    parts = {"train": order[:cut[0]], "validation": order[cut[0]:cut[1]], "test": order[cut[1]:]}
+    return {split: [dataclasses.replace(examples[i], split=split) for i in part] for split, part in parts.items()}
+
+
+def benchmark_splits(rows: int, seed: int) -> dict[str, list[NumericExample]]:
+    """Four tasks as prompt/completion pairs: a diamond's price, its price per carat, a Texas city's median sale price
+    (plotnine's diamonds and txhousing) and Seattle's high asked for again, `rows` of each."""
+    complete = [row for row in _plotnine_table("txhousing") if "NA" not in row.values()]
+    tasks = {"diamond_price": [diamond_price(row) for row in _plotnine_table("diamonds")],
+             "texas_median_price": [texas_median_price(row) for row in complete]}
+    tasks["diamond_price_per_carat"] = [diamond_price_per_carat(row) for row in _plotnine_table("diamonds")]
+    splits: dict[str, list[NumericExample]] = {"train": [], "validation": [], "test": []}
+    for name, examples in tasks.items():
+        for split, part in _drawn_splits(examples, rows, seed, name).items():
+            splits[split] += part
+    repeat = real_splits(names=["seattle_weather"], n_per_dataset=rows, seed=seed)
+    for split, part in repeat.items():
+        splits[split] += [repeat_example(ex) for ex in part]
+    return splits
+
+
+def gradient_boosted(train: list[NumericExample], test: list[NumericExample]) -> dict[str, float]:
+    """Per task, the median relative error on `test` of gradient-boosted trees (scikit-learn's
+    `HistGradientBoostingRegressor`, its defaults) fitted on the raw columns of that task's `train` rows."""
+    from sklearn.ensemble import HistGradientBoostingRegressor
+
+    errors, every = {}, []
+    for name in dict.fromkeys(ex.template for ex in test):
+        fit_rows = [ex for ex in train if ex.template == name]
+        rows = [ex for ex in test if ex.template == name]
+        model = HistGradientBoostingRegressor(random_state=0)
+        model.fit([list(ex.inputs.values()) for ex in fit_rows], [ex.target_value for ex in fit_rows])
+        predicted = model.predict([list(ex.inputs.values()) for ex in rows])
+        every += relative_errors([float(p) for p in predicted], rows)
+        errors[name] = statistics.median(every[-len(rows):])
+    return {"error": statistics.median(every), **errors, "mean over tables": statistics.fmean(errors.values())}
+
+
 def task_splits(task: str, rows: int, seed: int, test_rows: int | None = None) -> dict[str, list[NumericExample]]:
     """The real tables (`tables`), the cars rows asking for a ratio (`ratio`), or the Seattle rows asking for a
     stated value again (`repeat`). With `test_rows` (`tables` only), each table's test split is its own test rows,
@@ -119,6 +209,8 @@ def task_splits(task: str, rows: int, seed: int, test_rows: int | None = None) -
         return splits
     if test_rows is not None:
         raise ValueError(f"test_rows applies to the tables task only, got task={task!r}")
+    if task == "benchmark":
+        return benchmark_splits(rows, seed)
     table, rewrite = {"repeat": ("seattle_weather", repeat_example), "ratio": ("cars", ratio_example)}[task]
     return {split: [rewrite(ex) for ex in examples]
             for split, examples in real_splits(names=[table], seed=seed).items()}
@@ -155,6 +247,11 @@ def measure(model, tokenizer, test: list[NumericExample], batch: int) -> dict:
     model.eval()
     targets = experiment.causal_targets(model, tokenizer, test, batch)
     point = {**summary(targets["median"], targets["examples"]), **experiment.interval_metrics(targets)}
+    for name in sorted({ex.template for ex in targets["examples"]}):  # each table's coverage too
+        rows = [k for k, ex in enumerate(targets["examples"]) if ex.template == name]
+        one = experiment.interval_metrics({key: [targets[key][k] for k in rows]
+                                           for key in ("true", "low50", "high50", "low90", "high90")})
+        point[f"coverage {name}"] = [one["reg_coverage_50"], one["reg_coverage_90"]]
     model.train(was_training)
     return point
 
@@ -194,9 +291,11 @@ def main() -> None:
                                                       "(the training pairs unchanged; tables only)")
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--task", default="tables", choices=("tables", "ratio", "repeat"),
+    parser.add_argument("--task", default="tables", choices=("tables", "ratio", "repeat", "benchmark"),
                         help="the real tables, cars rows asking for their pounds per horsepower (every cars row), "
-                             "or Seattle rows asking for their stated high again (every Seattle row)")
+                             "or Seattle rows asking for their stated high again (every Seattle row), or four "
+                             "tasks: a diamond's price and its price per carat, a Texas city's median sale price "
+                             "(plotnine's tables) and Seattle's high again (--rows of each)")
     parser.add_argument("--context-values-log", choices=("log", "symlog"),
                         help="convert with this log of the path's log-space combination (default: the library's)")
     parser.add_argument("--tiny", action="store_true", help="a tiny random backbone (checks the pipeline)")
@@ -243,11 +342,12 @@ def prompt_completion(out: Path, arms: list[str], *, profile, tokenizer, seed: i
     held_out = tokenize_examples(tokenizer, [pair(ex) for ex in test[:4]], max_length=128)
     medians = table_medians(train)
     baseline = summary([medians[ex.template] for ex in test], test)
+    trees = gradient_boosted(train, test)
     print(f"{len(train)} training pairs, {len(test)} test pairs; training median baseline {baseline}", flush=True)
 
     model = experiment.new_causal(profile, tokenizer, seed, **(config or {}))
     trainable = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
-    results: dict = {"baseline": baseline, "arms": {}}
+    results: dict = {"baseline": baseline, "gradient boosted": trees, "arms": {}}
 
     def reset() -> None:
         with torch.no_grad():
@@ -480,6 +580,15 @@ def table(results: dict) -> str:
     base = results["baseline"]
     rows.append(f"| training median of each table | {base['error']:.3f} | {base['mean over tables']:.3f} | "
                 f"{' / '.join(f'{base[t]:.3f}' for t in tables)} | | | |")
+    if "gradient boosted" in results:
+        trees = results["gradient boosted"]
+        rows.append(f"| gradient-boosted trees on the raw columns | {trees['error']:.3f} | "
+                    f"{trees['mean over tables']:.3f} | {' / '.join(f'{trees[t]:.3f}' for t in tables)} | | | |")
+    for arm, record in results["arms"].items():
+        final = record["final"]
+        if any(key.startswith("coverage ") for key in final):
+            rows.append(f"\n{arm}, after training, coverage 50% / 90% per table: " + ", ".join(
+                f"{t} {final[f'coverage {t}'][0]:.2f} / {final[f'coverage {t}'][1]:.2f}" for t in tables))
     return "\n".join(rows)
 
 
