@@ -298,6 +298,8 @@ def main() -> None:
                              "(plotnine's tables) and Seattle's high again (--rows of each)")
     parser.add_argument("--context-values-log", choices=("log", "symlog"),
                         help="convert with this log of the path's log-space combination (default: the library's)")
+    parser.add_argument("--path-off", action="store_true",
+                        help="convert with the context-value path off (from_qwen(folder, context_values=False))")
     parser.add_argument("--tiny", action="store_true", help="a tiny random backbone (checks the pipeline)")
     parser.add_argument("--tiny-mechanisms", action="store_true",
                         help="only the four mechanisms on a tiny random Qwen2 and synthetic texts (minutes)")
@@ -315,6 +317,8 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown arms {sorted(unknown)}; choose among {ARMS}")
     config = {} if args.context_values_log is None else {"context_values_log": args.context_values_log}
+    if args.path_off:
+        config["context_values"] = False
     profile = experiment.PROFILES["tiny" if args.tiny else "cpu"]
     tokenizer = CausalQwenTokenizer.from_pretrained(experiment.QWEN_DIR)
     results = prompt_completion(
