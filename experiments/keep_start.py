@@ -32,7 +32,15 @@ share of test prompts where standard-mode `generate` writes `<NUM>` first (and t
 `--task ratio` asks instead for a ratio of two stated values, as a price per carat is: each row of cars written
 with its horsepower and weight, the completion its pounds per horsepower (weight / horsepower, 2 decimals).
 `--task repeat` writes each Seattle row with its high, low and precipitation and then asks for the high again.
-`--context-values-log` converts with the path's other log form (docs/math.md).
+`--task benchmark` mixes four tasks, `--rows` of each: a diamond's price and its price per carat (plotnine's
+`diamonds`), a Texas city's median home sale price (`txhousing`) and Seattle's high again, with gradient-boosted
+trees on each task's raw columns as a second baseline.
+`--context-values-log` converts with the path's other log form (docs/math.md), `--path-off` with the path off.
+`--test-rows` grows the tables' test split with rows no split uses (the training pairs stay the same), and
+`--calibration-dims` tries a start whose widths' calibration reads more coordinates of the query.
+
+    python experiments/keep_start.py --arms default --test-rows 80
+    python experiments/keep_start.py --task benchmark --rows 400 --train-rows 512 --steps 40 --every 20 --arms default
 """
 
 from __future__ import annotations
@@ -300,6 +308,8 @@ def main() -> None:
                         help="convert with this log of the path's log-space combination (default: the library's)")
     parser.add_argument("--path-off", action="store_true",
                         help="convert with the context-value path off (from_qwen(folder, context_values=False))")
+    parser.add_argument("--calibration-dims", type=int, help="a variant of the start: the widths' calibration reads "
+                        "this many principal coordinates of the query, whatever the held-out rows' count")
     parser.add_argument("--tiny", action="store_true", help="a tiny random backbone (checks the pipeline)")
     parser.add_argument("--tiny-mechanisms", action="store_true",
                         help="only the four mechanisms on a tiny random Qwen2 and synthetic texts (minutes)")
@@ -319,6 +329,10 @@ def main() -> None:
     config = {} if args.context_values_log is None else {"context_values_log": args.context_values_log}
     if args.path_off:
         config["context_values"] = False
+    if args.calibration_dims is not None:  # a variant of the library's start: the widths' map reads more coordinates
+        from causal_qwen import context_start
+
+        context_start._CALIBRATION_DIMS, context_start._ROWS_PER_WIDTH_DIM = args.calibration_dims, 1
     profile = experiment.PROFILES["tiny" if args.tiny else "cpu"]
     tokenizer = CausalQwenTokenizer.from_pretrained(experiment.QWEN_DIR)
     results = prompt_completion(
