@@ -168,10 +168,9 @@ def context_rows(saved: dict) -> ContextRows:
 
 
 @torch.no_grad()
-def predict(model, saved: dict, loc_linear: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The value's `(median, loc_Y, scale_Y)` at each saved row, through the model's read-out (or its locations
-    `loc_linear` `[N]`) and path (float64), and the path's choice π̄ = (π_0, Σ_j π_j, π_ℓ, π_r, π_μ) `[N, 5]`."""
+def read_saved(model, saved: dict, loc_linear: torch.Tensor | None = None):
+    """The model's path read at each saved row (float64), the read-out's locations (or `loc_linear` `[N]`), its
+    spread |w|·scale_U' `[N]` and γ_Y: what `ContextRead.apply` combines into `(loc_Y, scale_Y)`."""
     action, config = model.action, model.config
     path = copy.deepcopy(model.abduction.context_values).double()
     queries, keys, values, present = context_rows(saved).stacked(len(saved["y"]))
@@ -179,13 +178,20 @@ def predict(model, saved: dict, loc_linear: torch.Tensor | None = None
     if loc_linear is None:
         loc_linear = saved["x"].double() @ w + float(action.reg_head.bias)
     spread = (saved["x_scale"].double() + action.b_noise.double().abs()) @ w.abs()
-    noise = float(action.reg_log_noise.exp())
     own, before = keys.double().chunk(2, dim=-1)
     entries = entry_values(present, values, config.value_transform)
     read = path.read(queries.double()[:, None], path.keys(own, before), entries, present[:, None],
                      config.value_transform)
+    return read, loc_linear, spread, float(action.reg_log_noise.exp())
+
+
+def predict(model, saved: dict, loc_linear: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The value's `(median, loc_Y, scale_Y)` at each saved row, through the model's read-out (or its locations
+    `loc_linear` `[N]`) and path (float64), and the path's choice π̄ = (π_0, Σ_j π_j, π_ℓ, π_r, π_μ) `[N, 5]`."""
+    read, loc_linear, spread, noise = read_saved(model, saved, loc_linear)
     loc, scale = read.apply(loc_linear[:, None], spread[:, None], noise)
-    loc, scale = loc[:, 0], scale[:, 0].clamp(min=config.scale_min)
+    loc, scale = loc[:, 0], scale[:, 0].clamp(min=model.config.scale_min)
     median, _, _ = model.value_interval(loc, scale, 0.5)
     return median, loc, scale, read.choice[:, 0]
 
@@ -574,35 +580,21 @@ def summarise_kept(report: list[dict], larger: dict) -> None:
         print(f"  the profile's {split} split: " + _coverage_line([entry[split]["coverage"] for entry in report]))
 
 
-@torch.no_grad()
-def common_width_shift(model, saved: dict, order, data_seed: int) -> float:
+def common_width_shift(model, rows: dict, loc_linear: torch.Tensor) -> float:
     """The shift δ ≥ 0 of every entry of the path's β (so of log ρ at every row) that the widths' calibration on the
-    held-out rows in `order` left out of its optimum: where the saved widths less δ make the calibration's objective
-    (the held-out NLL with the read-out's locations leave-one-out, plus its ridge on the read-out's and the path's
+    held-out `rows` (the read-out's locations there leave-one-out, `loc_linear`) left out of its optimum: where the
+    saved widths less δ make the calibration's objective (their NLL plus its ridge on the read-out's and the path's
     shifts, `context_width_shift` of the saved fit) stationary along a common shift. A model saved with the widths
     shifted to the held-out median after that calibration (not the library's) has its δ recovered so."""
-    train, _ = permuted(saved, order, data_seed)
-    _, _, _, _, loo = _ridge(train["x"].double(), train["y"].double(), PENALTIES)
-    held = torch.arange(len(train["y"])) % context_start._HELD_OUT_EVERY == 0
-    rows = subset(train, held)
-    loc_linear = (train["y"].double() - loo)[held]
-    action, config = model.action, model.config
-    path = copy.deepcopy(model.abduction.context_values).double()
-    queries, keys, values, present = context_rows(rows).stacked(len(rows["y"]))
-    own, before = keys.double().chunk(2, dim=-1)
-    read = path.read(queries.double()[:, None], path.keys(own, before),
-                     entry_values(present, values, config.value_transform), present[:, None], config.value_transform)
-    w = action.reg_head.weight.double()[0]
-    spread = (rows["x_scale"].double() + action.b_noise.double().abs()) @ w.abs()
-    loc = (read.linear_weight[:, 0] * loc_linear + read.offset[:, 0])
-    fixed = read.linear_weight[:, 0] * spread
-    width = read.width[:, 0] * float(action.reg_log_noise.exp())
+    read, loc_linear, spread, noise = read_saved(model, rows, loc_linear)
+    loc = read.linear_weight[:, 0] * loc_linear + read.offset[:, 0]
+    fixed, width = read.linear_weight[:, 0] * spread, read.width[:, 0] * noise
     a_s, b_s = model.config.value_head_fit["context_width_shift"][:2]
 
     def slope(delta: float) -> float:
         c = torch.zeros((), dtype=torch.float64, requires_grad=True)
         with torch.enable_grad():
-            scale = (fixed + width * torch.exp(c - delta)).clamp(min=config.scale_min)
+            scale = (fixed + width * torch.exp(c - delta)).clamp(min=model.config.scale_min)
             cauchy.nll(rows["y"].double(), loc, scale).mean().backward()
         return float(c.grad) + 2 * context_start._CALIBRATION_RIDGE * (a_s + b_s - 2 * delta)
 
@@ -618,23 +610,25 @@ def common_width_shift(model, saved: dict, order, data_seed: int) -> float:
 def measure_saved(folder: str, saved: dict, undo_shift_order=None, data_seed: int = 0) -> None:
     """The value of the model saved in `folder` on the saved splits and, with `--tests`, the larger draws: each
     template's and table's error against its training median, the mean over templates and the coverage. With
-    `undo_shift_order`, also with the common shift of its widths that the calibration in that order left out
-    (`common_width_shift`) taken off."""
+    `undo_shift_order`, also with the common shift of its widths that the calibration on the held-out rows in that
+    order left out (`common_width_shift`) taken off, and those rows' coverage (`held_coverage`)."""
     model = CausalQwenForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     _measure_saved(model, saved)
-    if undo_shift_order is not None:
-        delta = common_width_shift(model, saved, undo_shift_order, data_seed)
-        with torch.no_grad():
-            path = model.abduction.context_values
-            path.width_by_choice -= delta
-            path.mean_width -= delta
-        print(f"the widths less the common shift δ = {delta:.5f} left out of the calibration's optimum:")
-        _measure_saved(model, saved)
-        train, _ = permuted(saved, undo_shift_order, data_seed)
-        loo = _ridge(train["x"].double(), train["y"].double(), PENALTIES)[-1]
-        print("  its held-out rows in that order, coverage 50% / 90% (rows): " + "; ".join(
-            f"{kind} {c50:.2f} / {c90:.2f} ({n})" for kind, (c50, c90, n)
-            in held_coverage(model, saved, train, loo, undo_shift_order, data_seed).items()))
+    if undo_shift_order is None:
+        return
+    train, _ = permuted(saved, undo_shift_order, data_seed)
+    loo = _ridge(train["x"].double(), train["y"].double(), PENALTIES)[-1]
+    held = torch.arange(len(train["y"])) % context_start._HELD_OUT_EVERY == 0
+    delta = common_width_shift(model, subset(train, held), (train["y"].double() - loo)[held])
+    with torch.no_grad():
+        path = model.abduction.context_values
+        path.width_by_choice -= delta
+        path.mean_width -= delta
+    print(f"the widths less the common shift δ = {delta:.5f} left out of the calibration's optimum:")
+    _measure_saved(model, saved)
+    print("  its held-out rows in that order, coverage 50% / 90% (rows): " + "; ".join(
+        f"{kind} {c50:.2f} / {c90:.2f} ({n})" for kind, (c50, c90, n)
+        in held_coverage(model, saved, train, loo, undo_shift_order, data_seed).items()))
 
 
 def _measure_saved(model, saved: dict) -> None:
