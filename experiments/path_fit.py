@@ -256,8 +256,9 @@ def fit(model, saved: dict, seed: int, starts: int | None, only: str | None = No
                                             seed=seed, starts=starts, loo_residuals=loo)
 
 
-_LIBRARY = {name: getattr(context_start, name) for name in ("_DIMS", "_PATIENCE", "_LEARNING_RATE",
-                                                        "_SCALES", "_COPY_TOLERANCE", "_CALIBRATION_DIMS")}
+_LIBRARY = {name: getattr(context_start, name) for name in (
+    "_DIMS", "_PATIENCE", "_LEARNING_RATE", "_SCALES", "_COPY_TOLERANCE", "_CALIBRATION_DIMS", "_NLL_READS_UNSEEN",
+    "_LOCATIONS_READ_UNSEEN")}
 _ADAM = torch.optim.Adam
 _SYMLOG = cauchy.symlog
 _FIT_FROM = context_start._fit_from
@@ -311,7 +312,9 @@ def arm(name: str) -> None:
     `dims=D` (principal coordinates), `patience=P`, `lr=R`, `wd=W` (AdamW's decoupled weight decay), or
     `zero-gradient` (symlog as it was, whose derivative at 0 autograd gave as 0), or `roles` (the combinations'
     keys read the words before each number, not its own features), or `no-choice` (no fit of the mean's score), or
-    `median-width` (the widths then widened to cover half the held-out targets at 50%: `_median_width`)."""
+    `median-width` (the widths then widened to cover half the held-out targets at 50%: `_median_width`), or
+    `nll-as-fitted` (every NLL but the calibration's reads the read-out's in-sample locations, as before the fit read
+    its leave-one-out ones), or `locations-unseen` (the locations' descent reads the leave-one-out ones too)."""
     for key, value in _LIBRARY.items():
         setattr(context_start, key, value)
     context_start.torch.optim.Adam = _ADAM
@@ -333,6 +336,12 @@ def arm(name: str) -> None:
             continue
         if part.startswith("scales="):
             context_start._SCALES = tuple(float(x) for x in part.split("=")[1].split("/"))
+            continue
+        if part == "nll-as-fitted":  # the NLLs read the read-out's in-sample locations (the calibration aside)
+            context_start._NLL_READS_UNSEEN = False
+            continue
+        if part == "locations-unseen":  # the locations' descent reads the read-out's leave-one-out locations too
+            context_start._LOCATIONS_READ_UNSEEN = True
             continue
         if part.startswith("width-dims="):
             context_start._CALIBRATION_DIMS = int(part.split("=")[1])
