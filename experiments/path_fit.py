@@ -313,8 +313,8 @@ def arm(name: str) -> None:
     `zero-gradient` (symlog as it was, whose derivative at 0 autograd gave as 0), or `roles` (the combinations'
     keys read the words before each number, not its own features), or `no-choice` (no fit of the mean's score), or
     `median-width` (the widths then widened to cover half the held-out targets at 50%: `_median_width`), or
-    `nll-as-fitted` (every NLL but the calibration's reads the read-out's in-sample locations, as before the fit read
-    its leave-one-out ones), or `locations-unseen` (the locations' descent reads the leave-one-out ones too)."""
+    `nll-unseen` (every NLL of the fit reads the read-out's leave-one-out locations, not the calibration's alone), or
+    `locations-unseen` (the locations' descent reads the leave-one-out ones too)."""
     for key, value in _LIBRARY.items():
         setattr(context_start, key, value)
     context_start.torch.optim.Adam = _ADAM
@@ -337,8 +337,8 @@ def arm(name: str) -> None:
         if part.startswith("scales="):
             context_start._SCALES = tuple(float(x) for x in part.split("=")[1].split("/"))
             continue
-        if part == "nll-as-fitted":  # the NLLs read the read-out's in-sample locations (the calibration aside)
-            context_start._NLL_READS_UNSEEN = False
+        if part == "nll-unseen":  # every NLL reads the read-out's leave-one-out locations, not only the calibration
+            context_start._NLL_READS_UNSEEN = True
             continue
         if part == "locations-unseen":  # the locations' descent reads the read-out's leave-one-out locations too
             context_start._LOCATIONS_READ_UNSEEN = True

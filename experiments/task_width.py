@@ -2,12 +2,13 @@
 
 `keep_start.py --task benchmark` converts Qwen2.5-0.5B, starts it from the training pairs and trains it; the start
 decides the value (training keeps it), and reading the rows is most of a start's time. This script reads the
-training pairs' value rows and the test pairs' target rows once (`--read`, about 3 minutes on 2 cores), then fits
-the read-out and the path on them by the library's procedure or a variant of it (`path_fit.arm`) in about a minute,
-and prints what `keep_start.py` prints of the value: each task's median relative error and coverage.
+training pairs' value rows and the test pairs' target rows once (`--read`, about 2 minutes on 2 cores), then fits
+the read-out and the path on them by the library's procedure or a variant of it (`path_fit.arm`) in about a minute
+for each order of the rows (`--orders`: each holds out other rows), and prints what `keep_start.py` prints of the
+value: each task's median relative error and 50% / 90% coverage.
 
-    python experiments/task_width.py --read --rows runs/task_width/rows.pt          # once
-    python experiments/task_width.py --rows runs/task_width/rows.pt --arms library,width-dims=16
+    python experiments/task_width.py --read                                      # once
+    python experiments/task_width.py --arms nll-as-fitted,library,locations-unseen --orders trainer,0,1,2
 """
 
 from __future__ import annotations
