@@ -8,7 +8,7 @@ for each order of the rows (`--orders`: each holds out other rows), and prints w
 value: each task's median relative error and 50% / 90% coverage.
 
     python experiments/task_width.py --read                                      # once
-    python experiments/task_width.py --arms nll-as-fitted,library,locations-unseen --orders trainer,0,1,2
+    python experiments/task_width.py --arms library,nll-unseen,nll-unseen+locations-unseen --orders trainer,0,1,2
 """
 
 from __future__ import annotations
