@@ -14,6 +14,7 @@ value: each task's median relative error and 50% / 90% coverage.
 from __future__ import annotations
 
 import argparse
+import copy
 import random
 import statistics
 import sys
@@ -58,12 +59,13 @@ def report(model, saved: dict) -> str:
     """Each task's median relative error, its 50% / 90% coverage and its mean share of the read-out π_0."""
     rows = saved["test"]
     median, loc, scale, choice = path_fit.predict(model, rows)
+    true = torch.tensor(rows["true"], dtype=loc.dtype)
+    covered = [((low <= true) & (true <= high)).tolist()
+               for _, low, high in (model.value_interval(loc, scale, level) for level in (0.5, 0.9))]
     per: dict[str, list] = {}
-    for k, (task, true) in enumerate(zip(rows["templates"], rows["true"], strict=True)):
-        covered = [float(low) <= true <= float(high) for low, high in
-                   (model.value_interval(loc[k], scale[k], level)[1:] for level in (0.5, 0.9))]
-        per.setdefault(task, []).append((experiment.relative_error(float(median[k]), true), *covered,
-                                         float(choice[k, 0])))
+    for k, task in enumerate(rows["templates"]):
+        per.setdefault(task, []).append((experiment.relative_error(float(median[k]), rows["true"][k]),
+                                         covered[0][k], covered[1][k], float(choice[k, 0])))
     lines, every = [], [row for values in per.values() for row in values]
     for task, values in sorted(per.items()):
         error, c50, c90, share = (statistics.median(v[0] for v in values), *(statistics.fmean(v[i] for v in values)
@@ -92,17 +94,15 @@ def main() -> None:
         read(args)
         return
     saved = torch.load(args.rows, weights_only=False)
-    saved["baseline"] = {}
-    for task, true in zip(saved["test"]["templates"], saved["test"]["true"], strict=True):
-        saved["baseline"].setdefault(task, []).append(experiment.relative_error(saved["medians"][task], true))
-    saved["baseline"] = {task: statistics.median(errors) for task, errors in saved["baseline"].items()}
+    saved["baseline"] = path_fit.median_baseline(saved, "test")
     tokenizer = CausalQwenTokenizer.from_pretrained(experiment.QWEN_DIR)
     model = experiment.new_causal(experiment.PROFILES["cpu"], tokenizer, args.seed).eval()
-    pristine = {k: v.clone() for k, v in model.state_dict().items()}
+    # The fit writes the read-out (every tensor of it) and the path: the path is reset before each.
+    pristine = copy.deepcopy(model.abduction.context_values.state_dict())
     saved["train_texts"] = list(range(len(saved["train"]["y"])))  # one value row per pair
     read_in = saved["train"]
     for name, order in [(name, order) for name in args.arms.split(",") for order in args.orders.split(",")]:
-        model.load_state_dict(pristine)
+        model.abduction.context_values.load_state_dict(pristine)
         path_fit.arm(name)
         saved["train"] = path_fit.permuted({**saved, "train": read_in}, order if order == "trainer" else int(order),
                                            args.seed)[0]
