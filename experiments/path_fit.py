@@ -258,7 +258,7 @@ def fit(model, saved: dict, seed: int, starts: int | None, only: str | None = No
 
 _LIBRARY = {name: getattr(context_start, name) for name in (
     "_DIMS", "_PATIENCE", "_LEARNING_RATE", "_SCALES", "_COPY_TOLERANCE", "_CALIBRATION_DIMS", "_NLL_READS_UNSEEN",
-    "_LOCATIONS_READ_UNSEEN")}
+    "_LOCATIONS_READ_UNSEEN", "_WIDTHS_READ_UNSEEN")}
 _ADAM = torch.optim.Adam
 _SYMLOG = cauchy.symlog
 _FIT_FROM = context_start._fit_from
@@ -314,7 +314,9 @@ def arm(name: str) -> None:
     keys read the words before each number, not its own features), or `no-choice` (no fit of the mean's score), or
     `median-width` (the widths then widened to cover half the held-out targets at 50%: `_median_width`), or
     `nll-unseen` (every NLL of the fit reads the read-out's leave-one-out locations, not the calibration's alone), or
-    `locations-unseen` (the locations' descent reads the leave-one-out ones too)."""
+    `locations-unseen` (the locations' descent reads the leave-one-out ones too), or `widths-unseen` /
+    `widths-as-fitted` (the kept fit's widths fitted again on the leave-one-out locations before the calibration, its
+    choice and locations as kept: `context_start._refit_widths`; or not)."""
     for key, value in _LIBRARY.items():
         setattr(context_start, key, value)
     context_start.torch.optim.Adam = _ADAM
@@ -339,6 +341,9 @@ def arm(name: str) -> None:
             continue
         if part == "nll-unseen":  # every NLL reads the read-out's leave-one-out locations, not only the calibration
             context_start._NLL_READS_UNSEEN = True
+            continue
+        if part in ("widths-unseen", "widths-as-fitted"):  # the kept fit's widths refitted on them, or not
+            context_start._WIDTHS_READ_UNSEEN = part == "widths-unseen"
             continue
         if part == "locations-unseen":  # the locations' descent reads the read-out's leave-one-out locations too
             context_start._LOCATIONS_READ_UNSEEN = True

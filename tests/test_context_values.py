@@ -1363,3 +1363,51 @@ def test_a_text_without_numbers_skips_the_layers_no_query_reads_where_nothing_ne
     assert {"loss", "loc_Y", "scale_Y"} <= set(present), present
     for name in present:
         assert torch.equal(getattr(outputs[False], name), getattr(outputs[True], name).detach()), name
+
+
+@pytest.mark.parametrize("refit", [True, False])
+def test_the_widths_are_fitted_on_the_readouts_leave_one_out_misses(model, monkeypatch, refit):
+    """Three kinds of rows, each with one earlier number: a third repeat it, and the read-out reads the others, on one
+    kind as exactly as its own residuals say and on the other with leave-one-out misses 50 times those (as a
+    read-out with as many features as rows misses new text). One direction of the query's features, outside the four
+    leading coordinates the calibration reads, tells the two kinds apart. With the kept fit's widths fitted again on
+    the leave-one-out locations (`_WIDTHS_READ_UNSEEN`), each kind's 50% interval covers about half of new misses of
+    its own size. The coverage is computed from the written path's location m and scale s at each row: a new value
+    ℓ + e, with ℓ the read-out's location and e Cauchy of scale c, is inside [m − s, m + s] with probability
+    (atan((s − d)/c) + atan((s + d)/c))/π, d = m − ℓ. Fitted on the read-out as it fits its own rows (the control), the
+    widths of the poorly read kind are too narrow and those of the other too wide."""
+    from causal_qwen.context_start import fit_context_values
+
+    monkeypatch.setattr("causal_qwen.context_start._WIDTHS_READ_UNSEEN", refit)
+    g = torch.Generator().manual_seed(11)
+    n, hidden, action = 900, model.config.hidden_size, model.action
+    channels = action.reg_head.weight.shape[1]
+    w, b = action.reg_head.weight.detach().double()[0], float(action.reg_head.bias.detach())
+    kind = torch.arange(n) % 3  # 0: a copy, 1: read poorly, 2: read exactly
+    eye = torch.eye(hidden)
+    queries = torch.randn(n, hidden, generator=g) * torch.where(torch.arange(hidden) < 6, 3.0, 0.3)
+    queries += torch.where(kind == 0, 1.0, -1.0)[:, None] * eye[6] + torch.where(kind == 1, 1.0, -1.0)[:, None] * eye[7]
+    numbers = torch.randint(1, 1001, (n,), generator=g).double()
+    x = torch.randn(n, channels, generator=g, dtype=torch.float64) * 0.3
+    loc_linear = x @ w + b
+    cauchy = torch.tan(math.pi * (torch.rand(n, generator=g, dtype=torch.float64) - 0.5))
+    y = torch.where(kind == 0, torch.log1p(numbers), loc_linear + 0.02 * cauchy)  # symlog of a copy
+    loo = (y - loc_linear) * torch.where(kind == 1, 50.0, 1.0)
+    rows = _random_rows(numbers[:, None], hidden, g)
+    rows.queries = list(queries)
+    scale_u = torch.full((n, channels), 1e-4, dtype=torch.float64)
+    fit = fit_context_values(model, rows, x, scale_u, y, starts=1, loo_residuals=loo)
+    assert fit["context_seed"] is not None  # the path is kept: it copies
+
+    read = _read_rows(model.abduction.context_values, rows, n)
+    spread = (scale_u + action.b_noise.detach().double().abs()) @ w.abs()
+    loc, scale = (t[:, 0].double() for t in read.apply(loc_linear[:, None], spread[:, None],
+                                                       float(action.reg_log_noise.exp())))
+    coverage = {}
+    for which, miss in ((1, 1.0), (2, 0.02)):
+        d, s = (loc - loc_linear)[kind == which], scale[kind == which]
+        coverage[which] = float(((torch.atan((s - d) / miss) + torch.atan((s + d) / miss)) / math.pi).mean())
+    if refit:
+        assert all(abs(c - 0.5) <= 0.1 for c in coverage.values()), coverage
+    else:
+        assert coverage[1] < 0.4 and coverage[2] > 0.6, coverage
