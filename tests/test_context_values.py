@@ -471,10 +471,12 @@ def test_the_start_from_data_fits_the_path_to_copy(tiny_qwen, monkeypatch):
     # A copy is exact at any scale: stated values a hundred times the largest the start saw are repeated too.
     assert _repeat_error(model, _scaled(_repeat_batches(3, seed=2), 100.0)) < 0.05
     # Refitting (as training does before each evaluation) fits the read-out on all 640 rows and the path after it,
-    # as the start does; and the copies stay. (Its widths are left uncalibrated here, so that the NLL it measured is
-    # that of the path it writes, which the next refit reads back below.)
+    # as the start does; and the copies stay. (Its widths are left as fitted here, neither fitted again on the
+    # read-out's leave-one-out locations nor calibrated, so that the NLL it measured is that of the path it writes,
+    # which the next refit reads back below.)
     from causal_qwen import context_start
 
+    monkeypatch.setattr(context_start, "_WIDTHS_READ_UNSEEN", False)
     monkeypatch.setattr(context_start, "_calibrate_width", lambda *args: (
         torch.zeros(len(context_start.CANDIDATES) + 1, dtype=torch.float64), torch.zeros(0, dtype=torch.float64)))
     refit = refit_value_readout(model, _repeat_batches(20, seed=1))
