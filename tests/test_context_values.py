@@ -556,7 +556,9 @@ def _noisy_repeat_batches(n_batches: int, seed: int, noise: float = 0.05):
 
 def test_the_start_calibrates_the_path_intervals(tiny_qwen):
     """The 50% and the 90% intervals of a reading the path copies cover about half and nine tenths of fresh readings:
-    counted directly, against the truth of data drawn with a known noise."""
+    counted directly, against the truth of data drawn with a known noise, on eight draws of 96 readings (768: one
+    standard error of a 50% coverage is 0.018; on one draw of 96 it is 0.05, and the same fit covered 0.48-0.60 of
+    the draws)."""
     from causal_qwen.starts import fit_value_head
 
     torch.manual_seed(0)
@@ -566,7 +568,7 @@ def test_the_start_calibrates_the_path_intervals(tiny_qwen):
     assert fit.context_step > 0
     inside = {0.5: [], 0.9: []}
     with torch.no_grad():
-        for batch in _noisy_repeat_batches(12, seed=2):
+        for batch in (batch for seed in range(2, 10) for batch in _noisy_repeat_batches(12, seed=seed)):
             out = model(batch["input_ids"], numeric_values=batch["numeric_values"])
             truth = batch["numeric_values"][:, 7]
             for level, hits in inside.items():
