@@ -8,7 +8,8 @@ rows), then the widths by the value's Cauchy NLL (the regression loss of docs/de
 It writes the result back into the model's path as maps of z (a map of the coordinates is a map of z). Where the path
 does not beat the linear read-out alone on the held-out NLL, it starts as the linear read-out (the copies and
 combinations at weight ≈ 0, ρ = 1), and the record says so. Between the locations and the widths, the choice alone is
-fitted again by the likelihood of a mixture of the candidates (`_fit_choice`). Its widths are then calibrated on the
+fitted again by the likelihood of a mixture of the candidates (`_fit_choice`). The kept fit's widths are then fitted
+again with the read-out's locations as it predicts rows it has not seen (`_refit_widths`), and calibrated on the
 held-out rows (`_calibrate_width`). The rows whose target is a copy of an earlier number are fitted (and held out)
 again at other scales (`_with_scaled_copies`), so that the choice of a copy does not lean on the read-out.
 
@@ -47,12 +48,11 @@ _MIN_CALIBRATION_ROWS = 20  # fewer held-out rows leave the widths as fitted
 # Seattle's highs by 0.42 for 0.32 (docs/experiments.md, "The widths fitted to the read-out's misses"): not kept.
 _NLL_READS_UNSEEN = False
 _LOCATIONS_READ_UNSEEN = False
-# The kept fit's widths fitted again on the leave-one-out locations (`_refit_widths`), its choice and locations as
+# The kept fit's widths are fitted again on the leave-one-out locations (`_refit_widths`), its choice and locations as
 # kept, before the calibration: the Texas prices' 50% intervals held 0.53-0.68 of their targets over four orders of
 # the rows, 0.25-0.50 without, every error the same, and a tiny model's copies of a noisy reading 0.552 of new
-# readings against 0.540 without (docs/experiments.md, "The kept fit's widths on the read-out's misses"): measured,
-# not the default yet.
-_WIDTHS_READ_UNSEEN = False
+# readings against 0.540 without (docs/experiments.md, "The kept fit's widths on the read-out's misses").
+_WIDTHS_READ_UNSEEN = True
 # The mean of the earlier values is the target where it is within this distance of it in the head's space (about 2%
 # of a value in symlog space), and its score is fitted to say so (`_fit_choice`), kept where the held-out error of the
 # other rows rises by at most `_CHOICE_SLACK` of itself.
