@@ -17,9 +17,9 @@ the step without it. On a GPU (`--device cuda`) each step is timed between two s
     python benchmarks/bench_context_values.py --layers 4       # quick (the path's share is then 6x larger)
     python benchmarks/bench_context_values.py --device cuda --dtype bfloat16 --steps 20 --batches 1 8 --kernels
 
-`--kernels` also counts what one step of each model launches (torch's profiler): on a GPU the kernels and their
-summed device time, which tell a launch-bound step (the device idle between small kernels) from a computing one;
-on a CPU the operators.
+`--kernels` also counts what one step of each model launches: on a GPU the kernels and their summed device time
+(torch's profiler), which tell a launch-bound step (the device idle between small kernels) from a computing one; on
+a CPU the operators that compute, forward and backward (views excepted, which launch nothing on a GPU).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from causal_qwen import CausalQwenForCausalLM
@@ -94,21 +95,34 @@ def measure(off, on, batch, steps: int) -> tuple[float, float]:
     return statistics.median(times["off"]), statistics.median(times["on"])
 
 
+class _ComputingOperators(TorchDispatchMode):
+    """Counts the operators that reach the kernels, views excepted (on a GPU a view launches nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
 def launches(model: CausalQwenForCausalLM, batch: dict[str, torch.Tensor]) -> tuple[int, float]:
-    """What one step launches, from torch's profiler: (kernels, their summed device ms) on a GPU, (operators, 0) on a
-    CPU."""
+    """What one step launches: (kernels, their summed device ms) on a GPU, from torch's profiler; (operators that
+    compute, 0) on a CPU."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = batch["input_ids"].device.type == "cuda"
     model.zero_grad(set_to_none=True)
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+    if batch["input_ids"].device.type != "cuda":
+        with _ComputingOperators() as counted:
+            model(**batch).loss.backward()
+        return counted.count, 0.0
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         model(**batch).loss.backward()
         synchronize(batch["input_ids"].device)
-    if cuda:
-        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-        return len(kernels), sum(e.time_range.elapsed_us() for e in kernels) / 1000
-    return sum(1 for e in prof.events() if e.cpu_parent is None), 0.0
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return len(kernels), sum(e.time_range.elapsed_us() for e in kernels) / 1000
 
 
 def main() -> None:
@@ -136,7 +150,7 @@ def main() -> None:
     print(f"{where}, {args.dtype}, torch {torch.__version__}; {args.layers} layers, S={args.seq},"
           f" path {'trained' if args.train_path else 'held'},"
           f" value features {'trained' if args.train_value_features else 'held'}")
-    unit = "kernels" if device.type == "cuda" else "operators"
+    unit = "kernels" if device.type == "cuda" else "computing operators"
     extra = f" {unit} off / on | device ms off / on |" if args.kernels else ""
     print(f"| B | batch | step without the path (s) | with it (s) | ratio |{extra}")
     print("|---|---|---|---|---|" + ("---|---|" if args.kernels else ""))

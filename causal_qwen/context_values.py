@@ -97,8 +97,8 @@ class ContextRead:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(loc_Y, scale_Y)` from the linear law's location and its spread |w_reg|·scale_U' (without γ_Y)."""
         weight = self.linear_weight
-        loc = weight * loc_linear.double() + self.offset
-        scale = weight * spread_linear.double() + self.width * noise_scale
+        loc = torch.addcmul(self.offset, weight, loc_linear.double())
+        scale = torch.addcmul(self.width * noise_scale, weight, spread_linear.double())
         return _saturated(loc, loc_linear.dtype), _saturated(scale, spread_linear.dtype)
 
     def last(self, rows: int) -> ContextRead:
@@ -113,7 +113,8 @@ def _saturated(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     of values near float32's limit can land past it, and an inf location gives the value's loss no gradient. An
     infinite input (the read-out's own overflow) stays infinite."""
     limit = torch.finfo(dtype).max
-    return torch.where(values.isfinite(), values.clamp(-limit, limit), values).to(dtype)
+    # |v| < inf rather than `isfinite`, which is four operations (each a kernel launch on a GPU); a NaN fails both.
+    return torch.where(values.abs() < math.inf, values.clamp(-limit, limit), values).to(dtype)
 
 
 class CausalQwenContextValues(nn.Module):
@@ -220,7 +221,7 @@ class CausalQwenContextValues(nn.Module):
         values: torch.Tensor,
         value_transform: str,
         *,
-        query_index: torch.Tensor,
+        query_index: torch.Tensor | int,
         cache: Cache | None = None,
         starts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -231,7 +232,8 @@ class CausalQwenContextValues(nn.Module):
             hidden_states: `[B, S, H]`, the backbone's features of the new positions.
             is_num, values: `[B, S]`, where the new positions are `<NUM>` and their values (0 elsewhere).
             value_transform: the config's transform T.
-            query_index: `[1, S']` or `[B, S']`, the new positions whose value is read (those the heads keep).
+            query_index: `[1, S']` or `[B, S']`, the new positions whose value is read (those the heads keep); an
+                int, the last `query_index` of them (0: all), as `logits_to_keep` keeps them.
             cache: the generation cache; one layer after the backbone's holds the path's entries.
             starts: `[B, S]`, where a new position is the first of its text (position id 0: after left padding, or
                 a packed sequence's next text); None: only the sequence's first.
@@ -246,8 +248,7 @@ class CausalQwenContextValues(nn.Module):
         if cache is None and not compiling:
             count = _count_numbers(is_num)
             if count == 0 and lean:  # nor are the keys of this batch kept for a later one
-                queries = torch.take_along_dim(hidden_states, query_index[..., None], dim=1)
-                read = self.read_without_numbers(queries, graph=False)
+                read = self.read_without_numbers(_kept(hidden_states, query_index), graph=False)
                 return read.linear_weight, read.offset, read.width, read.width.new_zeros(())
         maps, entries = self.entries(hidden_states, is_num, values, value_transform, starts)
         new_maps = maps
@@ -270,8 +271,8 @@ class CausalQwenContextValues(nn.Module):
             keys = maps.new_zeros(maps.shape[0], 0, maps.shape[-1] // 2)  # no number in the whole context
         else:
             keys, entries, key_positions = _numbers_only(keys_of(maps, entries), entries, count)
-        query_positions = new[query_index]
-        queries = torch.take_along_dim(hidden_states, query_index[..., None], dim=1)
+        query_positions = _kept(new[None, :, None], query_index)[..., 0]
+        queries = _kept(hidden_states, query_index)
         short = keys.shape[1] == 0  # no number anywhere in the batch's context
         if short:
             read = self.read_without_numbers(queries, graph=graph)
@@ -285,7 +286,8 @@ class CausalQwenContextValues(nn.Module):
             # (exactly 1 and 0 still), since ZeRO-3 hooks the backward of each output of a module that needs a
             # gradient, and a rank without numbers must hook as many as one with them.
             linear, offset = linear + in_graph, offset + in_graph
-        return linear, offset, read.width, keys.new_zeros(()) + in_graph
+        zero = keys.new_zeros(())
+        return linear, offset, read.width, zero + in_graph if graph else zero
 
     def _needs_graph(self, hidden_states: torch.Tensor) -> bool:
         """Whether this forward adds the zero terms of `ContextRead.in_graph`: in training, where a gradient can
@@ -298,9 +300,10 @@ class CausalQwenContextValues(nn.Module):
     def _scores(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The queries `[B, T, 3r]`, the scores of the candidates that are not copies `[B, T, 4]` and the width map
         a·z_t `[B, T]` of queries `[B, T, H]`, float64."""
-        q = self.query(queries).double()
-        choice = torch.cat((self.choice(queries), self.mean_score(queries)), -1).double()
-        return q, choice, self.width(queries).double().squeeze(-1)
+        scores = torch.cat((self.query(queries), self.choice(queries), self.mean_score(queries), self.width(queries)),
+                           -1).double()  # one conversion rather than three
+        q, choice, raw_width = scores.split((3 * self.rank, len(CANDIDATES), 1), dim=-1)
+        return q, choice, raw_width.squeeze(-1)
 
     def _width(self, raw_width: torch.Tensor, summary: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ρ_t from a·z_t `[B, T]` and π̄_t `[B, T, 5]`, and β."""
@@ -368,13 +371,15 @@ class CausalQwenContextValues(nn.Module):
         scale = 2.0 ** -math.ceil(math.log2(max(mask.shape[-1], 1)))
         limit = torch.finfo(torch.float64).max
         mean = ((mask @ (v * scale)[..., None]).squeeze(-1) / count / scale).clamp(-limit, limit)
-        log_combination = ((log_q @ log_k.transpose(1, 2)) * mask) @ log_of_values(v, self.log_values)[..., None]
+        # L(v) is y where both are symlog (the default), which the entries hold already.
+        log_v = y if self.log_values == "symlog" == value_transform else log_of_values(v, self.log_values)
+        log_combination = ((log_q @ log_k.transpose(1, 2)) * mask) @ log_v[..., None]
         raw_combination = ((raw_q @ raw_k.transpose(1, 2)) * mask) @ v[..., None]
-        offset = (copies * mask) @ y[..., None]
-        offset = offset.squeeze(-1)
-        offset = offset + log_weight * _log_candidate(log_combination.squeeze(-1), value_transform, self.log_values)
-        offset = offset + raw_weight * transform_values(raw_combination.squeeze(-1), value_transform)
-        offset = offset + mean_weight * transform_values(mean, value_transform)
+        offset = (copies @ y[..., None]).squeeze(-1)  # a copy that is not visible has weight exactly 0
+        offset = torch.addcmul(offset, log_weight,
+                               _log_candidate(log_combination.squeeze(-1), value_transform, self.log_values))
+        offset = torch.addcmul(offset, raw_weight, transform_values(raw_combination.squeeze(-1), value_transform))
+        offset = torch.addcmul(offset, mean_weight, transform_values(mean, value_transform))
         summary = torch.stack((linear, copies.sum(-1), log_weight, raw_weight, mean_weight), -1)
         width, by_choice = self._width(raw_width, summary)
         read = ContextRead(linear, offset, width, choice=summary)
@@ -443,6 +448,14 @@ def _count_numbers(is_num: torch.Tensor) -> int:
     return int(is_num.sum(-1).max()) if is_num.numel() else 0
 
 
+def _kept(states: torch.Tensor, index: torch.Tensor | int) -> torch.Tensor:
+    """The positions `index` of `states` `[B or 1, S, ...]`: an int keeps the last `index` (0: all) as a view, which
+    costs no operation; `[1, S']` or `[B, S']` positions gather them."""
+    if isinstance(index, int):
+        return states[:, -index:] if index else states
+    return torch.take_along_dim(states, index[..., None], dim=1)
+
+
 def _numbers_only(
     keys: torch.Tensor, entries: torch.Tensor, count: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -451,11 +464,10 @@ def _numbers_only(
     Without a cache every position is new, and only the K ≪ S numbers can be read: scoring them alone costs
     O(S·K·r) instead of O(S²·r).
     """
-    is_num = entries[..., 2] > 0
-    order = torch.argsort((~is_num).to(torch.uint8), dim=-1, stable=True)[:, :count]
-    take = order[..., None]
-    keys = torch.take_along_dim(keys, take, dim=1)
-    entries = torch.take_along_dim(entries, take, dim=1)
+    # The entries' `<NUM>` column is 1 or 0: sorted as it is, the numbers come first in their order.
+    order = torch.sort(entries[..., 2], dim=-1, descending=True, stable=True).indices[:, :count]
+    keys = torch.gather(keys, 1, order[..., None].expand(-1, -1, keys.shape[-1]))
+    entries = torch.gather(entries, 1, order[..., None].expand(-1, -1, entries.shape[-1]))
     return keys, entries, order
 
 

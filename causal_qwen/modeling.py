@@ -161,8 +161,10 @@ class CausalQwenAbduction(nn.Module):
         `position_ids` `[B, S]` (or `[1, S]`) mark where a text starts (0), whose key reads nothing before it."""
         if self.context_values is None:
             return None
-        positions = torch.arange(hidden_states.shape[1], device=hidden_states.device)[None, :, None]
-        query_index = keep_positions(positions, logits_to_keep)[..., 0]
+        query_index = logits_to_keep  # an int keeps the last positions, which the path slices without an operation
+        if isinstance(logits_to_keep, torch.Tensor):
+            positions = torch.arange(hidden_states.shape[1], device=hidden_states.device)[None, :, None]
+            query_index = keep_positions(positions, logits_to_keep)[..., 0]
         if input_ids is None:
             is_num = hidden_states.new_zeros(hidden_states.shape[:2], dtype=torch.bool)
         else:
@@ -250,7 +252,7 @@ class CausalQwenAction(nn.Module):
                 # Read here, in the module's own forward, where sharding engines have gathered the value head; and
                 # the context-value path's layers, for a batch without a value term.
                 losses.loss = losses.loss + keep_in_graph(self.reg_head, self.reg_log_noise)
-                if context is not None:
+                if context is not None and getattr(context.in_graph, "requires_grad", False):  # else a constant 0
                     losses.loss = losses.loss + context.in_graph.to(losses.loss.dtype)
         return CausalQwenActionOutput(
             loss=losses.loss if losses is not None else None,
