@@ -1379,39 +1379,49 @@ def test_the_widths_are_fitted_on_the_readouts_leave_one_out_misses(model, monke
     its own size. The coverage is computed from the written path's location m and scale s at each row: a new value
     ℓ + e, with ℓ the read-out's location and e Cauchy of scale c, is inside [m − s, m + s] with probability
     (atan((s − d)/c) + atan((s + d)/c))/π, d = m − ℓ. Fitted on the read-out as it fits its own rows (the control), the
-    widths of the poorly read kind are too narrow and those of the other too wide."""
+    widths of the poorly read kind are too narrow and those of the other too wide.
+
+    Averaged over four draws of the rows: the kept fit overfits its locations by an amount that changes with the
+    summation order of the machine and its threads, and one draw's coverage of a kind ranged over 0.38-0.62 (one
+    draw's of 900 rows covered 0.38 with two threads and 0.50 with one), about the mean of 0.5."""
     from causal_qwen.context_start import fit_context_values
 
     monkeypatch.setattr("causal_qwen.context_start._WIDTHS_READ_UNSEEN", refit)
-    g = torch.Generator().manual_seed(11)
     n, hidden, action = 900, model.config.hidden_size, model.action
     channels = action.reg_head.weight.shape[1]
     w, b = action.reg_head.weight.detach().double()[0], float(action.reg_head.bias.detach())
     kind = torch.arange(n) % 3  # 0: a copy, 1: read poorly, 2: read exactly
     eye = torch.eye(hidden)
-    queries = torch.randn(n, hidden, generator=g) * torch.where(torch.arange(hidden) < 6, 3.0, 0.3)
-    queries += torch.where(kind == 0, 1.0, -1.0)[:, None] * eye[6] + torch.where(kind == 1, 1.0, -1.0)[:, None] * eye[7]
-    numbers = torch.randint(1, 1001, (n,), generator=g).double()
-    x = torch.randn(n, channels, generator=g, dtype=torch.float64) * 0.3
-    loc_linear = x @ w + b
-    cauchy = torch.tan(math.pi * (torch.rand(n, generator=g, dtype=torch.float64) - 0.5))
-    y = torch.where(kind == 0, torch.log1p(numbers), loc_linear + 0.02 * cauchy)  # symlog of a copy
-    loo = (y - loc_linear) * torch.where(kind == 1, 50.0, 1.0)
-    rows = _random_rows(numbers[:, None], hidden, g)
-    rows.queries = list(queries)
-    scale_u = torch.full((n, channels), 1e-4, dtype=torch.float64)
-    fit = fit_context_values(model, rows, x, scale_u, y, starts=1, loo_residuals=loo)
-    assert fit["context_seed"] is not None  # the path is kept: it copies
+    path = model.abduction.context_values
+    as_before = {name: tensor.clone() for name, tensor in path.state_dict().items()}
+    coverage = {1: [], 2: []}
+    for seed in (11, 12, 13, 14):
+        path.load_state_dict(as_before)
+        g = torch.Generator().manual_seed(seed)
+        queries = torch.randn(n, hidden, generator=g) * torch.where(torch.arange(hidden) < 6, 3.0, 0.3)
+        queries += (torch.where(kind == 0, 1.0, -1.0)[:, None] * eye[6]
+                    + torch.where(kind == 1, 1.0, -1.0)[:, None] * eye[7])
+        numbers = torch.randint(1, 1001, (n,), generator=g).double()
+        x = torch.randn(n, channels, generator=g, dtype=torch.float64) * 0.3
+        loc_linear = x @ w + b
+        cauchy = torch.tan(math.pi * (torch.rand(n, generator=g, dtype=torch.float64) - 0.5))
+        y = torch.where(kind == 0, torch.log1p(numbers), loc_linear + 0.02 * cauchy)  # symlog of a copy
+        loo = (y - loc_linear) * torch.where(kind == 1, 50.0, 1.0)
+        rows = _random_rows(numbers[:, None], hidden, g)
+        rows.queries = list(queries)
+        scale_u = torch.full((n, channels), 1e-4, dtype=torch.float64)
+        fit = fit_context_values(model, rows, x, scale_u, y, starts=1, loo_residuals=loo)
+        assert fit["context_seed"] is not None, seed  # the path is kept: it copies
 
-    read = _read_rows(model.abduction.context_values, rows, n)
-    spread = (scale_u + action.b_noise.detach().double().abs()) @ w.abs()
-    loc, scale = (t[:, 0].double() for t in read.apply(loc_linear[:, None], spread[:, None],
-                                                       float(action.reg_log_noise.exp())))
-    coverage = {}
-    for which, miss in ((1, 1.0), (2, 0.02)):
-        d, s = (loc - loc_linear)[kind == which], scale[kind == which]
-        coverage[which] = float(((torch.atan((s - d) / miss) + torch.atan((s + d) / miss)) / math.pi).mean())
+        read = _read_rows(path, rows, n)
+        spread = (scale_u + action.b_noise.detach().double().abs()) @ w.abs()
+        loc, scale = (t[:, 0].double() for t in read.apply(loc_linear[:, None], spread[:, None],
+                                                           float(action.reg_log_noise.exp())))
+        for which, miss in ((1, 1.0), (2, 0.02)):
+            d, s = (loc - loc_linear)[kind == which], scale[kind == which]
+            coverage[which].append(float(((torch.atan((s - d) / miss) + torch.atan((s + d) / miss)) / math.pi).mean()))
+    mean = {which: sum(values) / len(values) for which, values in coverage.items()}
     if refit:
-        assert all(abs(c - 0.5) <= 0.1 for c in coverage.values()), coverage
+        assert all(abs(c - 0.5) <= 0.1 for c in mean.values()), coverage
     else:
-        assert coverage[1] < 0.4 and coverage[2] > 0.6, coverage
+        assert mean[1] < 0.4 and mean[2] > 0.6, coverage
