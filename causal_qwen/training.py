@@ -71,6 +71,10 @@ _WRAPPERS = {"original_module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoin
 # Fewer held-out values than this cannot tell trained features from the start's (the path's fit on a few rows is as
 # chaotic as its difference): the end-of-training check is then not made and trained features are kept.
 _MIN_CHECK_ROWS = 20
+# The trained features' score counts as worse than the start's only beyond this many nats per value (relative to a
+# score above 1): features that moved by nothing the value can see refit to the start's score within 10⁻⁷ of it by
+# the summation order, and such a difference restored them by the machine's arithmetic.
+_SCORE_TIE = 1e-6
 
 
 
@@ -359,7 +363,7 @@ class ValueHeadStartCallback(TrainerCallback):
             return
         evaluated = _eval_value_nll(self.trainer, model)
         score, _ = evaluated if evaluated is not None else _held_out_score(self.refits[-1][1])
-        worse = _from_process_zero(score > self._start_score)
+        worse = _from_process_zero(score - self._start_score > _SCORE_TIE * max(1.0, abs(self._start_score)))
         self.kept_trained_features = not worse
         if not worse:
             return
