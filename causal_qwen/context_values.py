@@ -59,6 +59,7 @@ from .cauchy import symexp, symlog, transform_values
 from .configuration import CONTEXT_VALUES_LOGS
 from .distributed import sharded_training
 from .migrations import ADDED
+from .outputs import keep_positions
 
 # The scores of the candidates that are not copies, in this order (the first three `choice`'s, the mean's
 # `mean_score`), and the score each starts from: the linear read-out at 0, the others well below it, so that a start
@@ -221,19 +222,19 @@ class CausalQwenContextValues(nn.Module):
         values: torch.Tensor,
         value_transform: str,
         *,
-        query_index: torch.Tensor | int,
+        logits_to_keep: int | torch.Tensor,
         cache: Cache | None = None,
         starts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Read the context at the new positions `query_index`: the fields of a [`ContextRead`], as a tuple of
+        """Read the context at the new positions `logits_to_keep` keeps: the fields of a [`ContextRead`], as a tuple of
         tensors (what DeepSpeed ZeRO-3 hooks a module's backward on; `ContextRead(*outputs)` holds them).
 
         Args:
             hidden_states: `[B, S, H]`, the backbone's features of the new positions.
             is_num, values: `[B, S]`, where the new positions are `<NUM>` and their values (0 elsewhere).
             value_transform: the config's transform T.
-            query_index: `[1, S']` or `[B, S']`, the new positions whose value is read (those the heads keep); an
-                int, the last `query_index` of them (0: all), as `logits_to_keep` keeps them.
+            logits_to_keep: the new positions whose value is read, those the heads keep (`keep_positions`): an
+                int keeps the last ones (0: all) as a view, positions `[S']` or `[B, S']` are gathered.
             cache: the generation cache; one layer after the backbone's holds the path's entries.
             starts: `[B, S]`, where a new position is the first of its text (position id 0: after left padding, or
                 a packed sequence's next text); None: only the sequence's first.
@@ -248,7 +249,7 @@ class CausalQwenContextValues(nn.Module):
         if cache is None and not compiling:
             count = _count_numbers(is_num)
             if count == 0 and lean:  # nor are the keys of this batch kept for a later one
-                read = self.read_without_numbers(_kept(hidden_states, query_index), graph=False)
+                read = self.read_without_numbers(keep_positions(hidden_states, logits_to_keep), graph=False)
                 return read.linear_weight, read.offset, read.width, read.width.new_zeros(())
         maps, entries = self.entries(hidden_states, is_num, values, value_transform, starts)
         new_maps = maps
@@ -271,8 +272,8 @@ class CausalQwenContextValues(nn.Module):
             keys = maps.new_zeros(maps.shape[0], 0, maps.shape[-1] // 2)  # no number in the whole context
         else:
             keys, entries, key_positions = _numbers_only(keys_of(maps, entries), entries, count)
-        query_positions = _kept(new[None, :, None], query_index)[..., 0]
-        queries = _kept(hidden_states, query_index)
+        query_positions = keep_positions(new[None, :, None], logits_to_keep)[..., 0]
+        queries = keep_positions(hidden_states, logits_to_keep)
         short = keys.shape[1] == 0  # no number anywhere in the batch's context
         if short:
             read = self.read_without_numbers(queries, graph=graph)
@@ -446,14 +447,6 @@ def _log_candidate(log_combination: torch.Tensor, transform: str, log_values: st
 def _count_numbers(is_num: torch.Tensor) -> int:
     """The most `<NUM>` positions of any row of `is_num` `[B, L]` (a synchronisation on a GPU)."""
     return int(is_num.sum(-1).max()) if is_num.numel() else 0
-
-
-def _kept(states: torch.Tensor, index: torch.Tensor | int) -> torch.Tensor:
-    """The positions `index` of `states` `[B or 1, S, ...]`: an int keeps the last `index` (0: all) as a view, which
-    costs no operation; `[1, S']` or `[B, S']` positions gather them."""
-    if isinstance(index, int):
-        return states[:, -index:] if index else states
-    return torch.take_along_dim(states, index[..., None], dim=1)
 
 
 def _numbers_only(

@@ -42,7 +42,7 @@ from .labels import LossTargets
 from .loading import CausalQwenLoadingMixin, inverse_softplus
 from .loss import AnchorTerm, DecisionScores, FusedHead, LossOptions, Tiling, causal_qwen_loss
 from .migrations import ADDED, register_checkpoint_conversions, upgrade_state_dict
-from .outputs import CausalQwenActionOutput, CausalQwenOutput
+from .outputs import CausalQwenActionOutput, CausalQwenOutput, keep_positions
 
 # The loss's keywords of the forward, which `Trainer` (the counts) and context parallelism (the shifted labels) pass.
 _LOSS_KEYWORDS = ("num_items_in_batch", "num_numbers_in_batch", "shift_labels", "shift_numeric_labels")
@@ -51,23 +51,6 @@ __all__ = [
     "CausalQwenNumericEmbedding", "CausalQwenAbduction", "CausalQwenAction", "CausalQwenPreTrainedModel",
     "CausalQwenModel", "CausalQwenForCausalLM",
 ]
-
-
-def keep_positions(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
-    """The positions of `hidden_states` [B, S, H] whose heads are computed, as Qwen2ForCausalLM keeps them.
-
-    An int keeps the last `logits_to_keep` positions (0 keeps all); an integer tensor holds positions, 1D for every
-    row or 2D `[B, n]` for each. Ours, not transformers' helper for it, which only transformers 5.20 and later have.
-    """
-    if isinstance(logits_to_keep, int):
-        return hidden_states[:, -logits_to_keep:] if logits_to_keep else hidden_states
-    if logits_to_keep.dtype == torch.bool or logits_to_keep.ndim not in (1, 2):
-        # A boolean mask keeps a different count per row, which the [B, S] heads cannot hold.
-        raise ValueError(f"logits_to_keep must be an int or a 1D/2D integer tensor of positions, got "
-                         f"{logits_to_keep.dtype} of shape {tuple(logits_to_keep.shape)}")
-    if logits_to_keep.ndim == 2:
-        return torch.take_along_dim(hidden_states, logits_to_keep[..., None], dim=1)
-    return hidden_states[:, logits_to_keep]
 
 
 class CausalQwenNumericEmbedding(nn.Module):
@@ -161,10 +144,6 @@ class CausalQwenAbduction(nn.Module):
         `position_ids` `[B, S]` (or `[1, S]`) mark where a text starts (0), whose key reads nothing before it."""
         if self.context_values is None:
             return None
-        query_index = logits_to_keep  # an int keeps the last positions, which the path slices without an operation
-        if isinstance(logits_to_keep, torch.Tensor):
-            positions = torch.arange(hidden_states.shape[1], device=hidden_states.device)[None, :, None]
-            query_index = keep_positions(positions, logits_to_keep)[..., 0]
         if input_ids is None:
             is_num = hidden_states.new_zeros(hidden_states.shape[:2], dtype=torch.bool)
         else:
@@ -175,7 +154,7 @@ class CausalQwenAbduction(nn.Module):
         if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2:
             starts = (position_ids == 0).expand(is_num.shape)
         return ContextRead(*self.context_values(hidden_states, is_num, values, self.config.value_transform,
-                                                query_index=query_index, cache=cache, starts=starts))
+                                                logits_to_keep=logits_to_keep, cache=cache, starts=starts))
 
 
 class CausalQwenAction(nn.Module):

@@ -9,7 +9,7 @@ import torch
 from transformers.cache_utils import Cache
 from transformers.utils import ModelOutput
 
-__all__ = ["CausalQwenActionOutput", "CausalQwenOutput"]
+__all__ = ["CausalQwenActionOutput", "CausalQwenOutput", "keep_positions"]
 
 
 @dataclass
@@ -70,3 +70,20 @@ class CausalQwenActionOutput(ModelOutput):
     scale_S: torch.FloatTensor | None = None
     loc_Y: torch.FloatTensor | None = None
     scale_Y: torch.FloatTensor | None = None
+
+
+def keep_positions(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The positions of `hidden_states` [B, S, H] whose heads are computed, as Qwen2ForCausalLM keeps them.
+
+    An int keeps the last `logits_to_keep` positions (0 keeps all); an integer tensor holds positions, 1D for every
+    row or 2D `[B, n]` for each. Ours, not transformers' helper for it, which only transformers 5.20 and later have.
+    """
+    if isinstance(logits_to_keep, int):
+        return hidden_states[:, -logits_to_keep:] if logits_to_keep else hidden_states
+    if logits_to_keep.dtype == torch.bool or logits_to_keep.ndim not in (1, 2):
+        # A boolean mask keeps a different count per row, which the [B, S] heads cannot hold.
+        raise ValueError(f"logits_to_keep must be an int or a 1D/2D integer tensor of positions, got "
+                         f"{logits_to_keep.dtype} of shape {tuple(logits_to_keep.shape)}")
+    if logits_to_keep.ndim == 2:
+        return torch.take_along_dim(hidden_states, logits_to_keep[..., None], dim=1)
+    return hidden_states[:, logits_to_keep]
