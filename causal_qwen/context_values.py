@@ -97,10 +97,11 @@ class ContextRead:
         self, loc_linear: torch.Tensor, spread_linear: torch.Tensor, noise_scale: torch.Tensor | float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(loc_Y, scale_Y)` from the linear law's location and its spread |w_reg|·scale_U' (without γ_Y)."""
-        weight = self.linear_weight
-        loc = torch.addcmul(self.offset, weight, loc_linear.double())
-        scale = torch.addcmul(self.width * noise_scale, weight, spread_linear.double())
-        return _saturated(loc, loc_linear.dtype), _saturated(scale, spread_linear.dtype)
+        # Stacked, the two are computed and saturated by one operation each (each a kernel launch on a GPU).
+        linear = torch.stack((loc_linear, spread_linear.to(loc_linear.dtype))).double()
+        terms = torch.addcmul(torch.stack((self.offset, self.width * noise_scale)), self.linear_weight, linear)
+        loc, scale = _saturated(terms, loc_linear.dtype)
+        return loc, scale.to(spread_linear.dtype)
 
     def last(self, rows: int) -> ContextRead:
         """The read of the last `rows` positions."""
@@ -265,7 +266,7 @@ class CausalQwenContextValues(nn.Module):
             new = new + before
             static = isinstance(layer, StaticLayer)  # a static cache keeps its shapes for a compiled forward
             if not (static or compiling):
-                count = _count_numbers(entries[..., 2] > 0)  # in the whole context, the cache's too
+                count = _count_numbers(entries[..., 2])  # in the whole context, the cache's too
         if static or compiling:
             keys = keys_of(maps, entries)
         elif count == 0 and lean:
@@ -356,31 +357,35 @@ class CausalQwenContextValues(nn.Module):
         copy_q, log_q, raw_q = q.split(r, dim=-1)
         copy_k, log_k, raw_k = keys.split(r, dim=-1)
         y, v = entries[..., 0], entries[..., 1]
-        copy_scores = (copy_q @ copy_k.transpose(1, 2) * r ** -0.5).masked_fill(~visible, float("-inf"))
-        any_visible = visible.any(-1)
+        mask = visible.double()
+        # α·(q @ kᵀ) in one product (`mask` is only its shape: with β = 0 the input is not read).
+        copy_scores = torch.baddbmm(mask, copy_q, copy_k.transpose(1, 2), beta=0.0, alpha=r ** -0.5)
+        copy_scores = torch.where(visible, copy_scores, float("-inf"))
+        # Σ_j v_j and the count n_t in one product, from the entries' v and `<NUM>` columns (1 at a number). Values
+        # near float64's limit (a generated number clamped there) would sum to inf, and inf times a weight of exactly
+        # 0 (the mean of a checkpoint without it) is NaN. Scaled by 2^-k with 2^k ≥ L first, no sum of L values
+        # overflows; a power of 2 commutes with every rounding above the subnormals, so the ratio is Σv/n.
+        scale = 2.0 ** -math.ceil(math.log2(max(mask.shape[-1], 1)))
+        sums = (mask * scale) @ entries[..., 1:3]
         # The combinations and the mean exist only where there is an earlier number: without one the read is the
         # linear law's.
-        choice = torch.cat((choice[..., :1], choice[..., 1:].masked_fill(~any_visible[..., None], float("-inf"))), -1)
+        choice = torch.cat((choice[..., :1], torch.where(sums[..., 1:] > 0, choice[..., 1:], float("-inf"))), -1)
         weights = torch.cat((choice, copy_scores), -1).softmax(-1)
         linear, log_weight, raw_weight, mean_weight = weights[..., :4].unbind(-1)
         copies = weights[..., 4:]
-        mask = visible.double()
-        count = mask.sum(-1).clamp(min=1.0)
-        # Values near float64's limit (a generated number clamped there) would sum to inf, and inf times a weight of
-        # exactly 0 (the mean of a checkpoint without it) is NaN. Scaled by 2^-k with 2^k ≥ L first, no sum of L
-        # values overflows; a power of 2 commutes with every rounding above the subnormals, so this is Σv/n.
-        scale = 2.0 ** -math.ceil(math.log2(max(mask.shape[-1], 1)))
         limit = torch.finfo(torch.float64).max
-        mean = ((mask @ (v * scale)[..., None]).squeeze(-1) / count / scale).clamp(-limit, limit)
+        mean = (sums[..., 0] / sums[..., 1].clamp(min=scale)).clamp(-limit, limit)
         # L(v) is y where both are symlog (the default), which the entries hold already.
         log_v = y if self.log_values == "symlog" == value_transform else log_of_values(v, self.log_values)
         log_combination = ((log_q @ log_k.transpose(1, 2)) * mask) @ log_v[..., None]
         raw_combination = ((raw_q @ raw_k.transpose(1, 2)) * mask) @ v[..., None]
+        # The raw combination and the mean into the head's space together: one transform rather than two.
+        raw, mean = transform_values(torch.cat((raw_combination, mean[..., None]), -1), value_transform).unbind(-1)
         offset = (copies @ y[..., None]).squeeze(-1)  # a copy that is not visible has weight exactly 0
         offset = torch.addcmul(offset, log_weight,
                                _log_candidate(log_combination.squeeze(-1), value_transform, self.log_values))
-        offset = torch.addcmul(offset, raw_weight, transform_values(raw_combination.squeeze(-1), value_transform))
-        offset = torch.addcmul(offset, mean_weight, transform_values(mean, value_transform))
+        offset = torch.addcmul(offset, raw_weight, raw)
+        offset = torch.addcmul(offset, mean_weight, mean)
         summary = torch.stack((linear, copies.sum(-1), log_weight, raw_weight, mean_weight), -1)
         width, by_choice = self._width(raw_width, summary)
         read = ContextRead(linear, offset, width, choice=summary)
@@ -445,7 +450,8 @@ def _log_candidate(log_combination: torch.Tensor, transform: str, log_values: st
 
 
 def _count_numbers(is_num: torch.Tensor) -> int:
-    """The most `<NUM>` positions of any row of `is_num` `[B, L]` (a synchronisation on a GPU)."""
+    """The most `<NUM>` positions of any row of `is_num` `[B, L]`, bool or 1/0 (the entries' column), a
+    synchronisation on a GPU."""
     return int(is_num.sum(-1).max()) if is_num.numel() else 0
 
 
