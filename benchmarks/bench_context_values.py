@@ -11,7 +11,8 @@ to read).
 
 Both models live in one process and steps alternate between them, in turn off first and on first (so that neither
 model always runs second); the time is the median over `--steps` steps, and the ratio is the path's step time over
-the step without it. On a GPU (`--device cuda`) each step is timed between two synchronisations.
+the step without it. The quartiles of the ratio within each pair of steps say how much of that ratio is noise. On a
+GPU (`--device cuda`) each step is timed between two synchronisations.
 
     python benchmarks/bench_context_values.py                  # 24 layers, B=1, S=1024, 64 numbers
     python benchmarks/bench_context_values.py --layers 4       # quick (the path's share is then 6x larger)
@@ -85,14 +86,18 @@ def step(model: CausalQwenForCausalLM, batch: dict[str, torch.Tensor]) -> float:
     return time.perf_counter() - start
 
 
-def measure(off, on, batch, steps: int) -> tuple[float, float]:
+def measure(off, on, batch, steps: int) -> tuple[float, float, tuple[float, float]]:
+    """The median step time of each model, and the quartiles of the ratio of the two steps of each pair: how far
+    the ratio moves from one pair of steps to the next (a noise the median of a short run does not show)."""
     step(off, batch), step(on, batch)  # warm-up
     times = {"off": [], "on": []}
     for i in range(steps):
         order = (("off", off), ("on", on)) if i % 2 == 0 else (("on", on), ("off", off))
         for name, model in order:
             times[name].append(step(model, batch))
-    return statistics.median(times["off"]), statistics.median(times["on"])
+    ratios = [t_on / t_off for t_on, t_off in zip(times["on"], times["off"], strict=True)]
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return statistics.median(times["off"]), statistics.median(times["on"]), (quartiles[0], quartiles[-1])
 
 
 class _ComputingOperators(TorchDispatchMode):
@@ -152,13 +157,13 @@ def main() -> None:
           f" value features {'trained' if args.train_value_features else 'held'}")
     unit = "kernels" if device.type == "cuda" else "computing operators"
     extra = f" {unit} off / on | device ms off / on |" if args.kernels else ""
-    print(f"| B | batch | step without the path (s) | with it (s) | ratio |{extra}")
-    print("|---|---|---|---|---|" + ("---|---|" if args.kernels else ""))
+    print(f"| B | batch | step without the path (s) | with it (s) | ratio | pairs' ratio, quartiles |{extra}")
+    print("|---|---|---|---|---|---|" + ("---|---|" if args.kernels else ""))
     for size in args.batches:
         for name, numbers in ((f"{args.numbers} numbers", args.numbers), ("text only", 0)):
             batch = make_batch(size, args.seq, numbers, device)
-            t_off, t_on = measure(off, on, batch, args.steps)
-            row = f"| {size} | {name} | {t_off:.3f} | {t_on:.3f} | {t_on / t_off:.3f} |"
+            t_off, t_on, (low, high) = measure(off, on, batch, args.steps)
+            row = f"| {size} | {name} | {t_off:.3f} | {t_on:.3f} | {t_on / t_off:.3f} | {low:.3f} to {high:.3f} |"
             if args.kernels:
                 (n_off, ms_off), (n_on, ms_on) = launches(off, batch), launches(on, batch)
                 row += f" {n_off} / {n_on} | {ms_off:.1f} / {ms_on:.1f} |"
