@@ -96,12 +96,16 @@ class ContextRead:
     def apply(
         self, loc_linear: torch.Tensor, spread_linear: torch.Tensor, noise_scale: torch.Tensor | float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(loc_Y, scale_Y)` from the linear law's location and its spread |w_reg|·scale_U' (without γ_Y)."""
+        """`(loc_Y, scale_Y)` from the linear law's location and its spread |w_reg|·scale_U' (without γ_Y), both of
+        one dtype, which the two keep."""
+        if spread_linear.dtype != loc_linear.dtype:
+            raise TypeError(f"loc_linear and spread_linear must share a dtype, got {loc_linear.dtype} and "
+                            f"{spread_linear.dtype}")
         # Stacked, the two are computed and saturated by one operation each (each a kernel launch on a GPU).
-        linear = torch.stack((loc_linear, spread_linear.to(loc_linear.dtype))).double()
+        linear = torch.stack((loc_linear, spread_linear)).double()
         terms = torch.addcmul(torch.stack((self.offset, self.width * noise_scale)), self.linear_weight, linear)
         loc, scale = _saturated(terms, loc_linear.dtype)
-        return loc, scale.to(spread_linear.dtype)
+        return loc, scale
 
     def last(self, rows: int) -> ContextRead:
         """The read of the last `rows` positions."""

@@ -722,6 +722,17 @@ def test_a_location_past_the_heads_dtype_saturates_and_an_infinite_one_stays():
     assert scale[0].tolist() == [limit] * 3
 
 
+def test_the_read_refuses_a_location_and_a_spread_of_two_dtypes():
+    """Saturated stacked, the two would share the location's range: a spread of another dtype is refused, not
+    clamped to a range that is not its own."""
+    from causal_qwen.context_values import ContextRead
+
+    one = torch.ones(1, 2, dtype=torch.float64)
+    read = ContextRead(one, one * 0.0, one)
+    with pytest.raises(TypeError, match="spread_linear"):
+        read.apply(torch.ones(1, 2, dtype=torch.bfloat16), torch.ones(1, 2), 0.0)
+
+
 def test_the_widths_calibration_reads_the_input(model):
     """Two kinds of rows, told apart by one direction of the features, whose values miss the read-out by Cauchy
     noise of scales 0.05 and 0.5: the calibrated interval of each kind has the scale of its own noise (the Cauchy
