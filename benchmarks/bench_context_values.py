@@ -7,7 +7,8 @@ read-out, the path, the numeric embedding and the abduction network) held out of
 backward stops at the heads; `--train-value-features` trains the numeric embedding and the abduction network too
 (the backward then runs through the backbone), and `--train-path` the path. Two batches of `--batch` × `--seq`
 random ids: one in which `--numbers` tokens are `<NUM>` with values, and one of text only (where the path has nothing
-to read).
+to read). As in `Trainer`, whose `TrainingArguments.use_cache` is False by default, the steps build no generation
+cache (`--use-cache` builds it, as a bare forward does).
 
 Both models live in one process and steps alternate between them, in turn off first and on first (so that neither
 model always runs second); the time is the median over `--steps` steps, and the ratio is the path's step time over
@@ -40,8 +41,8 @@ from causal_qwen.training import value_side_parameters
 NUM = 151_665
 
 
-def build_models(layers: int, train_path: bool, train_features: bool, device: torch.device, dtype: torch.dtype
-                 ) -> tuple[CausalQwenForCausalLM, CausalQwenForCausalLM]:
+def build_models(layers: int, train_path: bool, train_features: bool, device: torch.device, dtype: torch.dtype,
+                 use_cache: bool = False) -> tuple[CausalQwenForCausalLM, CausalQwenForCausalLM]:
     torch.manual_seed(0)
     qwen = Qwen2ForCausalLM(Qwen2Config(
         vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
@@ -55,6 +56,8 @@ def build_models(layers: int, train_path: bool, train_features: bool, device: to
         for param in on.abduction.context_values.parameters():
             param.copy_(torch.randn(param.shape, generator=g) * 0.05)
     for model in (off, on):  # as `CausalQwenTrainer` holds them
+        # As `Trainer` sets it (`TrainingArguments.use_cache`, False by default): a training step keeps no cache.
+        model.config.use_cache = use_cache
         for param in value_side_parameters(model, features=not train_features):
             param.requires_grad_(False)
     on.abduction.context_values.requires_grad_(train_path)
@@ -141,6 +144,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--kernels", action="store_true", help="also count what one step of each model launches")
     parser.add_argument("--train-path", action="store_true", help="let the path's weights train too")
+    parser.add_argument("--use-cache", action="store_true",
+                        help="build the generation cache in each step, as a model's forward does by default outside "
+                             "`Trainer`")
     parser.add_argument("--train-value-features", action="store_true",
                         help="train the numeric embedding and the abduction network (backward through the backbone)")
     args = parser.parse_args()
@@ -149,12 +155,14 @@ def main() -> None:
     if args.numbers < 1 or args.numbers > args.seq - 10:
         raise ValueError(f"--numbers must be in [1, seq - 10], got {args.numbers}")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    off, on = build_models(args.layers, args.train_path, args.train_value_features, device, dtype)
+    off, on = build_models(args.layers, args.train_path, args.train_value_features, device, dtype,
+                           args.use_cache)
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
     print(f"{where}, {args.dtype}, torch {torch.__version__}; {args.layers} layers, S={args.seq},"
           f" path {'trained' if args.train_path else 'held'},"
-          f" value features {'trained' if args.train_value_features else 'held'}")
+          f" value features {'trained' if args.train_value_features else 'held'},"
+          f" cache {'built' if args.use_cache else 'off (as in Trainer)'}")
     unit = "kernels" if device.type == "cuda" else "computing operators"
     extra = f" {unit} off / on | device ms off / on |" if args.kernels else ""
     print(f"| B | batch | step without the path (s) | with it (s) | ratio | pairs' ratio, quartiles |{extra}")

@@ -328,15 +328,25 @@ def symlog(value: torch.Tensor) -> torch.Tensor:
     quantity that starts at 0, as the context-value path's raw-space combination does, would then never move. A
     product by ±1 is exact, so this is the two branches' value and derivative to the bit, in six operations rather
     than eight (each a kernel launch on a GPU); the clamp moves no number and gives a NaN the derivative 0 that the
-    branches gave it."""
+    branches gave it. Where no gradient is taken, the same value comes from three operations, ln(1 + |v|) with the
+    sign of v."""
+    if not _differentiated(value):
+        return torch.log1p(value.abs()).copysign(value)
     sign = _unit_sign(value)
     return sign * torch.log1p((sign * value).clamp(min=0))
 
 
 def symexp(value: torch.Tensor) -> torch.Tensor:
     """The inverse of `symlog`: sign(t)·(e^|t| − 1), as s·(e^(s·t) − 1) for the derivative 1 at 0 (`symlog`)."""
+    if not _differentiated(value):
+        return torch.expm1(value.abs()).copysign(value)
     sign = _unit_sign(value)
     return sign * torch.expm1((sign * value).clamp(min=0))
+
+
+def _differentiated(value: torch.Tensor) -> bool:
+    """Whether autograd records an operation on `value`: only then does the form of `symlog` and `symexp` matter."""
+    return value.requires_grad and torch.is_grad_enabled()
 
 
 def _unit_sign(value: torch.Tensor) -> torch.Tensor:

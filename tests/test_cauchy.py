@@ -127,6 +127,32 @@ def test_symlog_and_symexp_have_their_derivatives_everywhere_zero_included():
     assert grad[3].item() == 1.0 and torch.autograd.gradcheck(cauchy.symlog, (v,))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_symlog_and_symexp_without_a_gradient_equal_their_differentiable_form_bit_for_bit(dtype):
+    """Where nothing is differentiated the two are computed in fewer operations: the same bits, the sign of a zero
+    included, at zeros, subnormals, the dtype's limits, past exp's range and at ±inf (NaN stays NaN)."""
+    values = [0.0, -0.0, 5e-324, -1e-320, 1e-12, -1e-12, 0.5, -2.5, 88.0, 89.0, 709.0, 710.0, -710.0, 1e300, -1.7e308,
+              math.inf, -math.inf, math.nan]
+    v = torch.tensor(values, dtype=torch.float64).to(dtype)
+    bits = {torch.float64: torch.int64, torch.float32: torch.int32}.get(dtype, torch.int16)
+    for f in (cauchy.symlog, cauchy.symexp):
+        plain = f(v)
+        differentiable = f(v.clone().requires_grad_())
+        assert differentiable.requires_grad and not plain.requires_grad
+        with torch.no_grad():
+            assert torch.equal(f(v.clone().requires_grad_()).view(bits), plain.view(bits))
+        finite = ~plain.isnan()
+        assert torch.equal(plain[finite].view(bits), differentiable.detach()[finite].view(bits))
+        assert torch.equal(plain.isnan(), v.isnan())
+    # And the closed forms, in float64 (to a rounding: torch's log1p and expm1 are not the math library's).
+    v64 = torch.tensor(values[:-1], dtype=torch.float64)
+    closed = torch.tensor([math.copysign(math.log1p(abs(x)), x) for x in values[:-1]], dtype=torch.float64)
+    torch.testing.assert_close(cauchy.symlog(v64), closed, rtol=1e-15, atol=1e-300)
+    inside = v64[v64.abs() < 709]
+    closed = torch.tensor([math.copysign(math.expm1(abs(x)), x) for x in inside.tolist()], dtype=torch.float64)
+    torch.testing.assert_close(cauchy.symexp(inside), closed, rtol=1e-15, atol=1e-300)
+
+
 @pytest.mark.parametrize("block_rows", [None, 1, 7, 64, 1000])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_linear_by_blocks_equals_linear(block_rows, with_bias):
