@@ -230,6 +230,7 @@ class CausalQwenContextValues(nn.Module):
         logits_to_keep: int | torch.Tensor,
         cache: Cache | None = None,
         starts: torch.Tensor | None = None,
+        numbers: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Read the context at the new positions `logits_to_keep` keeps: the fields of a [`ContextRead`], as a tuple of
         tensors (what DeepSpeed ZeRO-3 hooks a module's backward on; `ContextRead(*outputs)` holds them).
@@ -243,6 +244,7 @@ class CausalQwenContextValues(nn.Module):
             cache: the generation cache; one layer after the backbone's holds the path's entries.
             starts: `[B, S]`, where a new position is the first of its text (position id 0: after left padding, or
                 a packed sequence's next text); None: only the sequence's first.
+            numbers: [`count_numbers`] of `is_num` and `cache`, counted before the backbone ran; None: counted here.
         """
         graph = self._needs_graph(hidden_states)
         # Without zero terms to add, and not under a sharding engine (which gathers a layer's parameters when it is
@@ -252,7 +254,7 @@ class CausalQwenContextValues(nn.Module):
         compiling = torch.compiler.is_compiling()  # a traced graph (export, compile) keeps every position
         count = None
         if cache is None and not compiling:
-            count = _count_numbers(is_num)
+            count = numbers if numbers is not None else _count_numbers(is_num)
             if count == 0 and lean:  # nor are the keys of this batch kept for a later one
                 read = self.read_without_numbers(keep_positions(hidden_states, logits_to_keep), graph=False)
                 return read.linear_weight, read.offset, read.width, read.width.new_zeros(())
@@ -269,8 +271,8 @@ class CausalQwenContextValues(nn.Module):
             key_positions = torch.arange(maps.shape[1], device=maps.device)[None]
             new = new + before
             static = isinstance(layer, StaticLayer)  # a static cache keeps its shapes for a compiled forward
-            if not (static or compiling):
-                count = _count_numbers(entries[..., 2])  # in the whole context, the cache's too
+            if not (static or compiling):  # in the whole context, the cache's too
+                count = numbers if numbers is not None else _count_numbers(entries[..., 2])
         if static or compiling:
             keys = keys_of(maps, entries)
         elif count == 0 and lean:
@@ -294,6 +296,26 @@ class CausalQwenContextValues(nn.Module):
             linear, offset = linear + in_graph, offset + in_graph
         zero = keys.new_zeros(())
         return linear, offset, read.width, zero + in_graph if graph else zero
+
+    def count_numbers(self, is_num: torch.Tensor, cache: Cache | None) -> int | None:
+        """The most `<NUM>` positions of any row of the context that a forward of new positions `is_num` `[B, S]`
+        reads, the cache's entries and the new positions, as `forward` would count them after the cache's update;
+        None where `forward` counts nothing (a static cache, whose forward reads every position) or where the cache's
+        rows are not the input's (`forward` then counts, or rejects the batch, as without this count)."""
+        owner = getattr(cache, "self_attention_cache", cache)
+        index = getattr(owner, "_context_values_layer", None)
+        if index is None:  # no cache, or one the path has not written yet: the new positions are the context
+            layers = getattr(owner, "layers", None)
+            return None if layers and isinstance(layers[0], StaticLayer) else _count_numbers(is_num)
+        layer = owner.layers[index]
+        if isinstance(layer, StaticLayer):
+            return None
+        if not layer.is_initialized or layer.values.numel() == 0:
+            return _count_numbers(is_num)
+        before = layer.values[:, 0, :, 2]
+        if before.shape[0] != is_num.shape[0]:
+            return None
+        return _count_numbers(torch.cat((before, is_num.to(before.dtype)), -1))
 
     def _needs_graph(self, hidden_states: torch.Tensor) -> bool:
         """Whether this forward adds the zero terms of `ContextRead.in_graph`: in training, where a gradient can

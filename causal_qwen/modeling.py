@@ -130,6 +130,18 @@ class CausalQwenAbduction(nn.Module):
         scale = nn.functional.softplus(self.scale_net(hidden_states)).clamp(min=self.scale_min)
         return loc, scale
 
+    def count_numbers(
+        self, input_ids: torch.Tensor | None, cache: Cache | None
+    ) -> tuple[torch.Tensor | None, int | None]:
+        """Where the new positions are `<NUM>` `[B, S]` and the most numbers of any row of the context the path will
+        read (`CausalQwenContextValues.count_numbers`), or `(None, None)` where there is nothing to count. Called
+        before the backbone runs: on a GPU a count waits for the device, which then has only the inputs' work queued,
+        where after the backbone it would wait for all of it."""
+        if self.context_values is None or input_ids is None or torch.compiler.is_compiling():
+            return None, None
+        is_num = input_ids == self.config.num_token_id
+        return is_num, self.context_values.count_numbers(is_num, cache)
+
     def read_context(
         self,
         hidden_states: torch.Tensor,
@@ -138,13 +150,19 @@ class CausalQwenAbduction(nn.Module):
         logits_to_keep: int | torch.Tensor,
         cache: Cache | None = None,
         position_ids: torch.Tensor | None = None,
+        *,
+        is_num: torch.Tensor | None = None,
+        numbers: int | None = None,
     ) -> ContextRead | None:
         """The read of the earlier `<NUM>` values (docs/design.md §1b) at the new positions `logits_to_keep` keeps
         (`keep_positions`), or None without the path. `hidden_states` `[B, S, H]` are the new positions' features;
-        `position_ids` `[B, S]` (or `[1, S]`) mark where a text starts (0), whose key reads nothing before it."""
+        `position_ids` `[B, S]` (or `[1, S]`) mark where a text starts (0), whose key reads nothing before it;
+        `is_num` and `numbers` are what `count_numbers` gave before the backbone ran (None: counted here)."""
         if self.context_values is None:
             return None
-        if input_ids is None:
+        if is_num is not None:
+            pass
+        elif input_ids is None:
             is_num = hidden_states.new_zeros(hidden_states.shape[:2], dtype=torch.bool)
         else:
             is_num = input_ids == self.config.num_token_id
@@ -154,7 +172,8 @@ class CausalQwenAbduction(nn.Module):
         if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2:
             starts = (position_ids == 0).expand(is_num.shape)
         return ContextRead(*self.context_values(hidden_states, is_num, values, self.config.value_transform,
-                                                logits_to_keep=logits_to_keep, cache=cache, starts=starts))
+                                                logits_to_keep=logits_to_keep, cache=cache, starts=starts,
+                                                numbers=numbers))
 
 
 class CausalQwenAction(nn.Module):
@@ -461,6 +480,7 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenLoadingMixin, K
         same_graph = training_step and sharded_training()
         if inputs_embeds is None:
             inputs_embeds = self._embed(input_ids, numeric_values, same_graph)
+        is_num, numbers = self.abduction.count_numbers(input_ids, past_key_values)
         outputs = self.model(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
                              past_key_values=past_key_values, use_cache=use_cache, **kwargs)
         kept = 0 if has_targets else logits_to_keep
@@ -468,7 +488,7 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenLoadingMixin, K
         loc_u, scale_u = self.abduction(hidden_states)
         cache = outputs.past_key_values if outputs.past_key_values is not None else past_key_values
         context = self.abduction.read_context(outputs.last_hidden_state, input_ids, numeric_values, kept, cache,
-                                              position_ids)
+                                              position_ids, is_num=is_num, numbers=numbers)
         if generation_state is not None:
             # The mode's own scores reach the loop as scores (generation.DecisionScores); logits stay its loc_S.
             heads = CausalQwenActionOutput(**generation_state.decide(self.action, loc_u, scale_u, context))

@@ -315,6 +315,52 @@ def test_cached_decoding_equals_a_full_forward(model):
     torch.testing.assert_close(again.loc_Y, full.loc_Y[:, -3:], rtol=1e-5, atol=1e-5)
 
 
+class _ReadsAfterTheBackbone(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the reads of a device value on the host (`.item()`, `int()`, `bool()` of a tensor) once `backbone` has
+    run: on a GPU each one waits for all the work queued before it."""
+
+    def __init__(self, backbone):
+        super().__init__()
+        self.after, self.reads = False, 0
+        self._hook = backbone.register_forward_hook(lambda *_: setattr(self, "after", True))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += self.after and func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+    def __exit__(self, *exc):
+        self._hook.remove()
+        return super().__exit__(*exc)
+
+
+def test_the_path_reads_no_device_value_after_the_backbone(model, tiny_qwen):
+    """The path counts the context's numbers before the backbone runs, the cache's and the new positions': a
+    training step (no cache, as `Trainer` runs it) and a cached decoding step read as many device values after the
+    backbone with the path as without it, and give what the count after the backbone gave."""
+    off = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM, context_values=False)
+    ids, values = numbers_batch()
+    reads = {}
+    for name, m in (("off", off), ("on", model)):
+        m.train()
+        with _ReadsAfterTheBackbone(m.model) as counted:
+            m(ids, numeric_values=values, labels=ids, use_cache=False).loss.backward()
+        m.eval()
+        cache = DynamicCache(config=m.config)
+        with torch.no_grad():
+            m(ids[:, :-2], numeric_values=values[:, :-2], past_key_values=cache, use_cache=True)
+            if name == "on":  # the whole context's count: the cache's 10 positions and the 2 new ones
+                assert model.abduction.context_values.count_numbers(ids[:, -2:] == NUM, cache) == 3
+                assert model.abduction.context_values.count_numbers(ids[:, :10] == NUM, None) == 3
+                assert model.abduction.context_values.count_numbers(ids[1:, :4] == NUM, None) == 1
+            with _ReadsAfterTheBackbone(m.model) as decoding:
+                step = m(ids[:, -2:], numeric_values=values[:, -2:], past_key_values=cache, use_cache=True)
+        reads[name] = (counted.reads, decoding.reads)
+    assert reads["on"] == reads["off"], reads
+    with torch.no_grad():
+        full = model(ids, numeric_values=values)
+    torch.testing.assert_close(step.loc_Y, full.loc_Y[:, -2:], rtol=1e-5, atol=1e-5)
+
+
 def _always_numbers(model):
     with torch.no_grad():
         model.action.threshold[NUM] = -1e4
