@@ -160,12 +160,9 @@ class CausalQwenAbduction(nn.Module):
         `is_num` and `numbers` are what `count_numbers` gave before the backbone ran (None: counted here)."""
         if self.context_values is None:
             return None
-        if is_num is not None:
-            pass
-        elif input_ids is None:
-            is_num = hidden_states.new_zeros(hidden_states.shape[:2], dtype=torch.bool)
-        else:
-            is_num = input_ids == self.config.num_token_id
+        if is_num is None:
+            is_num = (hidden_states.new_zeros(hidden_states.shape[:2], dtype=torch.bool) if input_ids is None
+                      else input_ids == self.config.num_token_id)
         values = numeric_values if numeric_values is not None else torch.zeros(is_num.shape, dtype=torch.float64,
                                                                               device=is_num.device)
         starts = None
