@@ -202,17 +202,27 @@ def measure(model, saved: dict, split: str) -> dict:
     per: dict[str, list] = {}
     chosen: dict[str, list] = {}
     covered = {0.5: [], 0.9: []}
+    by_template: dict[str, dict[float, list]] = {}
     for k, (template, true) in enumerate(zip(rows["templates"], rows["true"], strict=True)):
         per.setdefault(template, []).append(experiment.relative_error(float(median[k]), true))
         chosen.setdefault(template, []).append(choice[k])
         for level in covered:
             _, low, high = model.value_interval(loc[k], scale[k], level)
             covered[level].append(float(low) <= true <= float(high))
+            by_template.setdefault(template, {0.5: [], 0.9: []})[level].append(covered[level][-1])
     errors = [e for values in per.values() for e in values]
     return {"per_template": {name: statistics.median(values) for name, values in sorted(per.items())},
             "pooled": statistics.median(errors),
             "choice": {name: torch.stack(values).mean(0).tolist() for name, values in sorted(chosen.items())},
-            "coverage": [statistics.fmean(covered[0.5]), statistics.fmean(covered[0.9])]}
+            "coverage": [statistics.fmean(covered[0.5]), statistics.fmean(covered[0.9])],
+            "coverage_by_template": {name: [statistics.fmean(c[0.5]), statistics.fmean(c[0.9]), len(c[0.5])]
+                                     for name, c in sorted(by_template.items())}}
+
+
+def _coverage_by_template(measured: dict) -> str:
+    """Each template's or table's 50% / 90% coverage (its targets) in one line."""
+    return ", ".join(f"{name} {c50:.2f}/{c90:.2f} ({n})" for name, (c50, c90, n)
+                     in measured["coverage_by_template"].items())
 
 
 def median_baseline(saved: dict, split: str) -> dict:
@@ -264,6 +274,14 @@ _SYMLOG = cauchy.symlog
 _FIT_FROM = context_start._fit_from
 _FIT_CHOICE = context_start._fit_choice
 _CALIBRATE_WIDTH = context_start._calibrate_width
+_REFIT_WIDTHS = context_start._refit_widths
+
+
+def _middle_widths(small, unseen_nll) -> None:
+    """`_refit_widths`, then the widths' parameters halfway between the fit's and the refit's (log ρ halfway)."""
+    before = {name: tensor.clone() for name, tensor in small.state_dict().items()}
+    _REFIT_WIDTHS(small, unseen_nll)
+    small.load_state_dict({name: (before[name] + tensor) / 2 for name, tensor in small.state_dict().items()})
 
 
 def _median_width(small, transform, held_out, noise: float, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,7 +334,8 @@ def arm(name: str) -> None:
     `nll-unseen` (every NLL of the fit reads the read-out's leave-one-out locations, not the calibration's alone), or
     `locations-unseen` (the locations' descent reads the leave-one-out ones too), or `widths-unseen` /
     `widths-as-fitted` (the kept fit's widths fitted again on the leave-one-out locations before the calibration, its
-    choice and locations as kept: `context_start._refit_widths`; or not)."""
+    choice and locations as kept: `context_start._refit_widths`; or not), or `widths-middle` (their parameters
+    halfway between the fit's and the refit's: `_middle_widths`)."""
     for key, value in _LIBRARY.items():
         setattr(context_start, key, value)
     context_start.torch.optim.Adam = _ADAM
@@ -324,6 +343,7 @@ def arm(name: str) -> None:
     context_start._fit_from = _FIT_FROM
     context_start._fit_choice = _FIT_CHOICE
     context_start._calibrate_width = _CALIBRATE_WIDTH
+    context_start._refit_widths = _REFIT_WIDTHS
     if name == "library":
         return
     for part in name.split("+"):
@@ -344,6 +364,9 @@ def arm(name: str) -> None:
             continue
         if part in ("widths-unseen", "widths-as-fitted"):  # the kept fit's widths refitted on them, or not
             context_start._WIDTHS_READ_UNSEEN = part == "widths-unseen"
+            continue
+        if part == "widths-middle":  # the refit's widths halfway back to the fit's
+            context_start._refit_widths = _middle_widths
             continue
         if part == "locations-unseen":  # the locations' descent reads the read-out's leave-one-out locations too
             context_start._LOCATIONS_READ_UNSEEN = True
@@ -530,6 +553,13 @@ def kept_fits(model, saved: dict, orders: list, seed: int, pristine: dict, outpu
                      f"{statistics.fmean(entry['larger']['test']['per_template'].values()):.3f}; at or above: "
                      f"{', '.join(entry['larger_above']) or 'none'}")
         print(line, flush=True)
+        for split in ("test", "real_test"):
+            print(f"  {split}, coverage {entry[split]['coverage'][0]:.3f} / {entry[split]['coverage'][1]:.3f}: "
+                  + _coverage_by_template(entry[split]), flush=True)
+            if larger is not None:
+                print(f"  larger {split}, coverage {entry['larger'][split]['coverage'][0]:.3f} / "
+                      f"{entry['larger'][split]['coverage'][1]:.3f}: " + _coverage_by_template(entry["larger"][split]),
+                      flush=True)
         report.append(entry)
     for key in ("above", "larger_above") if larger is not None else ("above",):
         misses = Counter(name for entry in report for name in entry[key])
