@@ -3,6 +3,7 @@
 import json
 import struct
 import time
+import zlib
 
 import pytest
 from ddp_worker import dataset
@@ -58,7 +59,9 @@ def wandb_history(path) -> tuple[dict[str, list], bool]:
     """Every logged history value of an offline `.wandb` run file, by key, and whether the run's exit is recorded.
 
     The file is a record log (a 7-byte file header, then 32 KiB blocks of chunks with a 7-byte header: checksum,
-    length, kind 1 = full, 2 = first, 3 = middle, 4 = last) of protobuf `Record`s; wandb 0.31 has no Python reader.
+    length, kind 1 = full, 2 = first, 3 = middle, 4 = last; the checksum is CRC-32 of the kind byte and the chunk) of
+    protobuf `Record`s; wandb 0.31 has no Python reader. The file is read while wandb's service writes it, so reading
+    stops at the first chunk not yet whole.
     """
     from wandb.proto import wandb_internal_pb2
 
@@ -70,8 +73,12 @@ def wandb_history(path) -> tuple[dict[str, list], bool]:
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        checksum, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk = data[pos + 7:pos + 7 + length]
+        # The service may still be writing this chunk: read no further than what is whole and checked.
+        if len(chunk) < length or zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != checksum:
+            break
+        pos += 7 + length
         pending = chunk if kind in (1, 2) else pending + chunk
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
