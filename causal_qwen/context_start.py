@@ -20,16 +20,18 @@ before each of those (which the keys read too; 0 at a text's start, as in the mo
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 
 from .cauchy import nll, transform_values, untransform_values
 from .context_values import CANDIDATES, LINEAR_ONLY_SCORE, MAX_LOG_WIDTH, CausalQwenContextValues, entry_values
 
-__all__ = ["ContextRows", "fit_context_values", "held_out_rows"]
+__all__ = ["ContextRows", "fit_context_values", "held_out_rows", "one_thread"]
 
 MAX_CONTEXT = 16
 """Earlier numbers each row keeps (the latest ones) for the start; the model itself reads all of them."""
@@ -283,10 +285,35 @@ def _fit_pointer(small, split: dict, transform: str) -> bool:
     return True
 
 
+_Fit = TypeVar("_Fit", bound=Callable)
+
+
+def one_thread(fit: _Fit) -> _Fit:
+    """Run `fit` with torch on one CPU thread, so that its float64 sums are added in one order on any machine.
+
+    The start's fits amplify the last bit of their sums: the path's descent keeps the held-out step of a descent by
+    the signs of its residuals, and which of its random starts it keeps turns on a few hundredths of a nat. Torch
+    splits a long sum between its threads, and the rows read once on Qwen2.5-0.5B kept random start 0 with one thread
+    and start 1 with two, which missed the training median on two real tables where start 0 missed none
+    (docs/experiments.md, "The start's fit with one thread and with two"). On one thread a conversion keeps the same
+    start on a laptop and on a server of the same instruction set; the fits are small, and the backbone that reads
+    their rows keeps every thread."""
+    @functools.wraps(fit)
+    def pinned(*args, **kwargs):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return fit(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+    return pinned  # type: ignore[return-value]
+
+
 def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
 
 
+@one_thread
 @torch.no_grad()
 def fit_context_values(model, rows: ContextRows, x: torch.Tensor, scale_u: torch.Tensor, y: torch.Tensor,
                        seed: int = 0, starts: int | None = None, from_current: bool = False,

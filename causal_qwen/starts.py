@@ -38,7 +38,7 @@ import torch
 
 from .cauchy import linear, transform_values
 from .checks import check_positive_finite
-from .context_start import ContextRows, fit_context_values
+from .context_start import ContextRows, fit_context_values, one_thread
 from .context_values import CausalQwenContextValues
 from .labels import IGNORE_INDEX, next_token_targets
 
@@ -276,6 +276,7 @@ def _probe(x: torch.Tensor, need: torch.Tensor, target: torch.Tensor, penalty: f
     return a.detach(), c.detach(), s.detach()
 
 
+@one_thread
 def num_decision_start(
     u: torch.Tensor,
     u_scale: torch.Tensor,
@@ -417,6 +418,7 @@ def _check_readout_fits(weight: torch.Tensor, bias: float, y: torch.Tensor, dtyp
     )
 
 
+@one_thread
 def _write_readout(model, x: torch.Tensor, y: torch.Tensor, penalties: Sequence[float],
                    ) -> tuple[float, float, float | None, torch.Tensor]:
     """Write the ridge read-out of `y` on `x` into `w_reg`, `b_reg` and γ_Y; `(penalty, LOO error, γ_Y or None, LOO
