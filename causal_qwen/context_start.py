@@ -305,7 +305,7 @@ def one_thread(fit: _Fit) -> _Fit:
     @functools.wraps(fit)
     def pinned(*args, **kwargs):
         threads, outer = torch.get_num_threads(), getattr(_caller, "threads", None)
-        _caller.threads = threads if outer is None else outer
+        _caller.threads = outer or threads
         torch.set_num_threads(1)
         try:
             return fit(*args, **kwargs)

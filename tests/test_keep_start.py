@@ -597,9 +597,9 @@ def test_the_end_check_scores_a_start_by_the_nll_that_chose_its_path(as_read):
 def test_the_start_is_the_same_with_one_thread_and_with_two(tiny_qwen):
     """The start's fits run on one thread each (`context_start.one_thread`; the path's random starts side by side on
     the caller's threads), so the order of their float64 sums, and with it the fit kept, does not follow the caller's
-    thread count. With each fit on the caller's threads, the two starts
-    here differ in the last bits (the read-out's leave-one-out error 0.633971924167076 and ...0765), and the fit
-    amplifies such bits: a refit of the path on other rows scored 1.0010 with one thread and 1.0372 with two."""
+    thread count. With each fit on the caller's threads, the two starts here differ in the last bits (the read-out's
+    leave-one-out error 0.633971924167076 and ...0765), and the fit amplifies such bits: a refit of the path on other
+    rows scored 1.0010 with one thread and 1.0372 with two."""
     data = related(96, seed=3)
     batches = [CausalQwenDataCollator(0)(data[i:i + 16]) for i in range(0, len(data), 16)]
     threads = torch.get_num_threads()
