@@ -42,6 +42,8 @@ _DIMS = 64
 _STEPS = 3000
 _PATIENCE = 200  # steps without a better held-out value before the fit stops
 _LEARNING_RATE = 1e-2
+# δ of the locations' loss √(r² + δ²) − δ in the head's space; 0: the mean absolute error |r|.
+_LOCATION_SMOOTHING = 0.0
 _STARTS = 3  # random starts of the fit; the best on the held-out rows is kept
 _HELD_OUT_EVERY = 5  # every fifth row is held out to choose the step and to calibrate the width
 _MIN_CALIBRATION_ROWS = 20  # fewer held-out rows leave the widths as fitted
@@ -527,7 +529,7 @@ def _fit_from(small, loss, split, transform: str, noise: float,
     def absolute_error(held_out: bool):
         rows = split[held_out]
         loc, _ = _value(small, transform, rows, noise)
-        return (loc - rows.target).abs().mean()
+        return _location_error(loc - rows.target)
 
     with torch.no_grad():
         linear_error = float(absolute_error(True))
@@ -558,6 +560,15 @@ def _fit_from(small, loss, split, transform: str, noise: float,
     widened = _descend(small, widths, lambda held_out: loss(small, held_out), located_nll)
     state = widened[1] if widened[1] is not None else best[1]  # the located state, whose NLL this is
     return min(widened[0], located_nll), state, best[2]
+
+
+def _location_error(residual: torch.Tensor) -> torch.Tensor:
+    """The locations' loss over `residual` `[N]`: the mean absolute error, or its smooth form with
+    `_LOCATION_SMOOTHING` > 0."""
+    if _LOCATION_SMOOTHING == 0.0:
+        return residual.abs().mean()
+    delta = _LOCATION_SMOOTHING
+    return ((residual.square() + delta * delta).sqrt() - delta).mean()
 
 
 def _width_parameters(small) -> list[torch.nn.Parameter]:

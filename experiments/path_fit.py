@@ -268,13 +268,19 @@ def fit(model, saved: dict, seed: int, starts: int | None, only: str | None = No
 
 _LIBRARY = {name: getattr(context_start, name) for name in (
     "_DIMS", "_PATIENCE", "_LEARNING_RATE", "_SCALES", "_COPY_TOLERANCE", "_CALIBRATION_DIMS", "_NLL_READS_UNSEEN",
-    "_LOCATIONS_READ_UNSEEN", "_WIDTHS_READ_UNSEEN")}
+    "_LOCATIONS_READ_UNSEEN", "_WIDTHS_READ_UNSEEN", "_LOCATION_SMOOTHING")}
 _ADAM = torch.optim.Adam
 _SYMLOG = cauchy.symlog
 _FIT_FROM = context_start._fit_from
 _FIT_CHOICE = context_start._fit_choice
 _CALIBRATE_WIDTH = context_start._calibrate_width
 _REFIT_WIDTHS = context_start._refit_widths
+_SIDE_BY_SIDE = context_start._side_by_side
+
+
+def _one_after_another(fits: list) -> list:
+    with torch.no_grad():
+        return [fit() for fit in fits]
 
 
 def _middle_widths(small, unseen_nll) -> None:
@@ -327,7 +333,8 @@ def _sign_times_log(value: torch.Tensor) -> torch.Tensor:
 
 def arm(name: str) -> None:
     """Set `context_start` to the library's fit, then to arm `name`'s variant of it: `library`, or `+`-joined
-    `dims=D` (principal coordinates), `patience=P`, `lr=R`, `wd=W` (AdamW's decoupled weight decay), or
+    `dims=D` (principal coordinates), `patience=P`, `lr=R`, `smooth=δ` (the locations' loss √(r² + δ²) − δ),
+    `wd=W` (AdamW's decoupled weight decay), or
     `zero-gradient` (symlog as it was, whose derivative at 0 autograd gave as 0), or `roles` (the combinations'
     keys read the words before each number, not its own features), or `no-choice` (no fit of the mean's score), or
     `median-width` (the widths then widened to cover half the held-out targets at 50%: `_median_width`), or
@@ -385,6 +392,8 @@ def arm(name: str) -> None:
             context_start._DIMS = int(value)
         elif key == "patience":
             context_start._PATIENCE = int(value)
+        elif key == "smooth":  # the locations' loss √(r² + δ²) − δ, δ = value
+            context_start._LOCATION_SMOOTHING = float(value)
         elif key == "lr":
             context_start._LEARNING_RATE = float(value)
         elif key == "wd":
@@ -417,10 +426,14 @@ class Candidates:
                 state = None
             return held_out, state, step
         context_start._fit_from = fit_from
+        # The results are kept by call: the fits run one after another, in the plan's order (the same fits, each on
+        # one thread as side by side).
+        context_start._side_by_side = _one_after_another
         return self
 
     def __exit__(self, *exc):
         context_start._fit_from = _FIT_FROM
+        context_start._side_by_side = _SIDE_BY_SIDE
 
     def fit(self, model, train: dict, loo: torch.Tensor, seed: int, forced: int | None) -> dict:
         self.calls, self.forced = [], forced
