@@ -709,7 +709,7 @@ def test_the_widths_are_calibrated_on_the_readouts_leave_one_out_residuals(model
     channels = action.reg_head.weight.shape[1]
     x = torch.randn(n, channels, generator=g, dtype=torch.float64)
     scale_u = torch.rand(n, channels, generator=g, dtype=torch.float64) * 0.01
-    w, b = action.reg_head.weight.detach().double()[0], float(action.reg_head.bias)
+    w, b = action.reg_head.weight.detach().double()[0], float(action.reg_head.bias.detach())
     y = x @ w + b + 0.2 * torch.tan(math.pi * (torch.rand(n, generator=g, dtype=torch.float64) - 0.5))
     loo = (y - x @ w - b) * 1.7  # leave-one-out residuals are larger than the read-out's own
     fit = fit_context_values(model, rows, x, scale_u, y, loo_residuals=loo)
@@ -798,7 +798,7 @@ def test_the_widths_calibration_reads_the_input(model):
     channels = action.reg_head.weight.shape[1]
     x = torch.randn(n, channels, generator=g, dtype=torch.float64)
     scale_u = torch.rand(n, channels, generator=g, dtype=torch.float64) * 1e-4
-    w, b = action.reg_head.weight.detach().double()[0], float(action.reg_head.bias)
+    w, b = action.reg_head.weight.detach().double()[0], float(action.reg_head.bias.detach())
     noise_scale = torch.where(kind, 0.5, 0.05).double()
     y = x @ w + b + noise_scale * torch.tan(math.pi * (torch.rand(n, generator=g, dtype=torch.float64) - 0.5))
     fit = fit_context_values(model, rows, x, scale_u, y, loo_residuals=y - x @ w - b)
@@ -831,7 +831,7 @@ def test_a_path_is_kept_only_where_it_beats_the_read_out_on_the_rows_as_read(mod
     action = model.action
     channels = action.reg_head.weight.shape[1]
     x = torch.randn(n, channels, generator=g, dtype=torch.float64) * 0.1
-    w, b = action.reg_head.weight.detach().double()[0], float(action.reg_head.bias)
+    w, b = action.reg_head.weight.detach().double()[0], float(action.reg_head.bias.detach())
     loc = x @ w + b
     copy = torch.arange(n) // 5 % copies_every == 0  # every fifth row is held out: copies among them too
     number = torch.where(copy, 30.0 + 50.0 * torch.rand(n, generator=g, dtype=torch.float64),
@@ -954,7 +954,7 @@ def test_the_start_chooses_the_mean_where_the_target_is_the_mean(model):
     g = torch.Generator().manual_seed(3)
     hidden, action = model.config.hidden_size, model.action
     channels = action.reg_head.weight.shape[1]
-    w, b = action.reg_head.weight.detach().double()[0], float(action.reg_head.bias)
+    w, b = action.reg_head.weight.detach().double()[0], float(action.reg_head.bias.detach())
     direction = torch.zeros(hidden)
     direction[0] = 1.0
 
@@ -1058,7 +1058,7 @@ def test_the_start_leaves_the_copies_where_the_target_repeats_one_of_several_num
     g = torch.Generator().manual_seed(3)
     hidden, action = model.config.hidden_size, model.action
     channels = action.reg_head.weight.shape[1]
-    w, b = action.reg_head.weight.detach().double()[0], float(action.reg_head.bias)
+    w, b = action.reg_head.weight.detach().double()[0], float(action.reg_head.bias.detach())
     direction = torch.eye(hidden)
 
     def rows_of(n: int, scale: float):
@@ -1488,3 +1488,22 @@ def test_the_widths_are_fitted_on_the_readouts_leave_one_out_misses(model, monke
         assert all(abs(c - 0.5) <= 0.1 for c in mean.values()), coverage
     else:
         assert mean[1] < 0.4 and mean[2] > 0.6, coverage
+
+
+def test_the_locations_loss_is_the_smooth_absolute_error(monkeypatch):
+    """`_location_error`: the mean of √(r² + δ²) − δ with δ = 10⁻² (the mean absolute error at δ = 0), against
+    Python's float arithmetic; its gradient at a residual of 0 is 0 and, far from 0, the residual's sign."""
+    from causal_qwen import context_start
+
+    assert context_start._LOCATION_SMOOTHING == 1e-2
+    residuals = [0.0, 1e-3, -0.02, 0.5, -3.0]
+    r = torch.tensor(residuals, dtype=torch.float64, requires_grad=True)
+    loss = context_start._location_error(r)
+    expected = sum(math.sqrt(x * x + 1e-4) - 1e-2 for x in residuals) / len(residuals)
+    assert float(loss) == pytest.approx(expected, rel=1e-12)
+    loss.backward()
+    assert float(r.grad[0]) == 0.0
+    assert float(r.grad[3]) == pytest.approx(0.5 / math.sqrt(0.25 + 1e-4) / len(residuals), rel=1e-12)
+    assert float(r.grad[4]) == pytest.approx(-1 / len(residuals), rel=1e-4)
+    monkeypatch.setattr(context_start, "_LOCATION_SMOOTHING", 0.0)
+    assert float(context_start._location_error(r)) == pytest.approx(sum(map(abs, residuals)) / len(residuals))
