@@ -717,7 +717,7 @@ def test_the_widths_are_calibrated_on_the_readouts_leave_one_out_residuals(model
 
     held = torch.arange(n) % 5 == 0
     spread = (scale_u + action.b_noise.detach().double().abs()) @ w.abs()
-    noise = float(action.reg_log_noise.exp())
+    noise = float(action.reg_log_noise.detach().exp())
 
     def nll(shift, residuals):
         scale = (spread[held] + noise * math.exp(shift)).clamp(min=model.config.scale_min)
@@ -808,7 +808,7 @@ def test_the_widths_calibration_reads_the_input(model):
     with torch.no_grad():
         log_width = path.width(queries).double()[:, 0] + path.width_by_choice.double()[0]  # π̄ = (1, 0, 0, 0, 0)
     spread = (scale_u + action.b_noise.detach().double().abs()) @ w.abs()
-    scale = spread + float(action.reg_log_noise.exp()) * log_width.exp()
+    scale = spread + float(action.reg_log_noise.detach().exp()) * log_width.exp()
     for which, expected in ((kind, 0.5), (~kind, 0.05)):
         assert scale[which].median() == pytest.approx(expected, rel=0.25), (which.sum(), scale[which].median())
 
@@ -857,11 +857,11 @@ def test_a_path_is_kept_only_where_it_beats_the_read_out_on_the_rows_as_read(mod
     assert candidate["nll"] < fit["context_nll_linear"], (candidate, fit)
     # The read-out's held-out NLL on the rows as read, in float64: its location and its scale with ρ = 1.
     held = torch.arange(n) % 5 == 0
-    scale = ((scale_u + action.b_noise.detach().double().abs()) @ w.abs() + float(action.reg_log_noise.exp()))
+    scale = ((scale_u + action.b_noise.detach().double().abs()) @ w.abs() + float(action.reg_log_noise.detach().exp()))
     scale = scale.clamp(min=model.config.scale_min)[held]
     read_out = float((torch.log(math.pi * scale) + torch.log1p(((y - loc)[held] / scale) ** 2)).mean())
     assert (candidate["nll_as_read"] < read_out) == (copies_every == 1), (candidate, read_out)
-    linear_only = float(model.abduction.context_values.choice.bias[0]) == LINEAR_ONLY_SCORE
+    linear_only = float(model.abduction.context_values.choice.bias.detach()[0]) == LINEAR_ONLY_SCORE
     if copies_every == 1:
         assert fit["context_nll"] == candidate["nll"] and not linear_only, (candidate, fit)
         assert fit["context_nll_as_read"] == pytest.approx(candidate["nll_as_read"], rel=1e-12), (candidate, fit)
@@ -1479,7 +1479,7 @@ def test_the_widths_are_fitted_on_the_readouts_leave_one_out_misses(model, monke
         read = _read_rows(path, rows, n)
         spread = (scale_u + action.b_noise.detach().double().abs()) @ w.abs()
         loc, scale = (t[:, 0].double() for t in read.apply(loc_linear[:, None], spread[:, None],
-                                                           float(action.reg_log_noise.exp())))
+                                                           float(action.reg_log_noise.detach().exp())))
         for which, miss in ((1, 1.0), (2, 0.02)):
             d, s = (loc - loc_linear)[kind == which], scale[kind == which]
             coverage[which].append(float(((torch.atan((s - d) / miss) + torch.atan((s + d) / miss)) / math.pi).mean()))
@@ -1500,10 +1500,10 @@ def test_the_locations_loss_is_the_smooth_absolute_error(monkeypatch):
     r = torch.tensor(residuals, dtype=torch.float64, requires_grad=True)
     loss = context_start._location_error(r)
     expected = sum(math.sqrt(x * x + 1e-4) - 1e-2 for x in residuals) / len(residuals)
-    assert float(loss) == pytest.approx(expected, rel=1e-12)
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-12)
     loss.backward()
     assert float(r.grad[0]) == 0.0
     assert float(r.grad[3]) == pytest.approx(0.5 / math.sqrt(0.25 + 1e-4) / len(residuals), rel=1e-12)
     assert float(r.grad[4]) == pytest.approx(-1 / len(residuals), rel=1e-4)
     monkeypatch.setattr(context_start, "_LOCATION_SMOOTHING", 0.0)
-    assert float(context_start._location_error(r)) == pytest.approx(sum(map(abs, residuals)) / len(residuals))
+    assert float(context_start._location_error(r.detach())) == pytest.approx(sum(map(abs, residuals)) / len(residuals))
