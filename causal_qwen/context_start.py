@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple, TypeVar
@@ -94,6 +94,18 @@ _POINTER_TOLERANCE = 1e-3  # held-out cross-entropy (nats per row) within which 
 _POINTER_ELSEWHERE = 1e-2
 
 
+# The read-out's guard (`_fit_guard`, docs/design.md §1c): a logistic regression of "the path misses by more than the
+# read-out" on the query's leading principal coordinates (at most this many, one per `_ROWS_PER_GUARD_DIM` held-out
+# rows), each row weighed by the difference of the two misses (capped, so that one wild row does not decide alone);
+# its logit over `_GUARD_LOGIT` is the guard, checked by `_GUARD_FOLDS`-fold cross-validation on the held-out rows.
+_GUARD_DIMS = 8
+_ROWS_PER_GUARD_DIM = 8
+_GUARD_STAKES = 1.0
+_GUARD_LOGIT = 2.0
+_GUARD_RIDGE = 1e-3
+_GUARD_FOLDS = 5
+
+
 def held_out_rows(rows: int) -> int:
     """How many of `rows` rows the fit holds out to choose its step and calibrate the widths (every fifth)."""
     return -(-rows // _HELD_OUT_EVERY)
@@ -135,6 +147,11 @@ class ContextRows:
             self.keys.append(keys)
             self.values.append(vals)
             self.present.append(present)
+
+    def reorder(self, order: Sequence[int]) -> None:
+        """Keep the rows `order` lists, in that order."""
+        for part in (self.queries, self.keys, self.values, self.present):
+            part[:] = [part[i] for i in order]
 
     def stacked(self, rows: int) -> tuple[torch.Tensor, ...]:
         return tuple(torch.stack(part[:rows]) for part in (self.queries, self.keys, self.values, self.present))
@@ -453,6 +470,7 @@ def fit_context_values(model, rows: ContextRows, x: torch.Tensor, scale_u: torch
     small.load_state_dict(chosen)
     off = [] if best[1] is None else _switch_off_unused(
         small, lambda: (loss(small, True), loss(small, True, calibration)))
+    guarded = 0.0 if best[1] is None else _fit_guard(small, calibration, transform, noise)
     if _WIDTHS_READ_UNSEEN and best[1] is not None and unseen is not as_fitted:
         unseen_split = scaled_halves(unseen)
         _refit_widths(small, lambda held_out: row_nll(small, unseen_split[held_out]).mean())
@@ -469,7 +487,7 @@ def fit_context_values(model, rows: ContextRows, x: torch.Tensor, scale_u: torch
     return {"context_rows": n, "context_nll_linear": baseline, "context_nll": best[0], "context_step": best[2],
             "context_width_shift": shift.tolist(), "context_seed": best[3], "context_width_map": reading.tolist(),
             "context_nll_before": as_it_is[0] if from_current else None, "context_off": off,
-            "context_pointer": best[4], "context_nll_as_read": best_as_read}
+            "context_pointer": best[4], "context_nll_as_read": best_as_read, "context_guarded": guarded}
 
 
 def _keep(scored: list, elsewhere: torch.Tensor) -> tuple:
@@ -500,6 +518,90 @@ def _keep(scored: list, elsewhere: torch.Tensor) -> tuple:
                          if float(pair[1][elsewhere].mean()) <= least + _POINTER_ELSEWHERE]
         scored = preferred or scored
     return min(scored, key=lambda pair: float(pair[1].mean()))[0]
+
+
+def _location_misses(small, rows: _Rows, transform: str, noise: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """|loc_Y − y| `[N]` in the head's space through the path `small`, and through the read-out alone (its
+    locations as `rows` hold them: at held-out rows, leave-one-out)."""
+    loc, _ = _value(small, transform, rows, noise)
+    return (loc - rows.target).abs(), (rows.loc_linear - rows.target).abs()
+
+
+def _guard_features(rows: _Rows, dims: int) -> torch.Tensor:
+    return rows.queries[:, :dims]
+
+
+def _logistic_guard(features: torch.Tensor, worse: torch.Tensor, stakes: torch.Tensor) -> torch.Tensor:
+    """Weights `[d + 1]` (the last the bias) of a ridge logistic regression of `worse` on `features`, each row
+    weighed by its `stakes` (how much the choice costs there); float64, by L-BFGS from 0 (convex: one minimum)."""
+    x = torch.cat((features, torch.ones(len(features), 1, dtype=torch.float64)), -1)
+    weights = torch.zeros(x.shape[1], dtype=torch.float64, requires_grad=True)
+    total = stakes.sum().clamp(min=1e-12)
+    ridge = torch.ones(x.shape[1], dtype=torch.float64)
+    ridge[-1] = 0.0  # the bias is not penalised
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        logits = x @ weights
+        loss = (stakes * torch.nn.functional.binary_cross_entropy_with_logits(
+            logits, worse, reduction="none")).sum() / total + _GUARD_RIDGE * (ridge * weights.square()).sum()
+        loss.backward()
+        return loss
+
+    optimizer = torch.optim.LBFGS([weights], max_iter=200, line_search_fn="strong_wolfe", tolerance_grad=1e-10)
+    with torch.enable_grad():
+        optimizer.step(closure)
+    return weights.detach()
+
+
+@torch.no_grad()
+def _fit_guard(small, held_out: _Rows, transform: str, noise: float) -> float:
+    """Fit the read-out's guard of `small` (docs/design.md §1c) on rows the locations were not fitted on, and return
+    the share of them where it hands the value back to the read-out.
+
+    The choice among the candidates was fitted on all kinds of rows at once, so a path that copies exactly on one
+    kind may be chosen on another where a stated number only has the right size (a price read as a stated depth %).
+    The error the evaluation punishes decides instead: on each held-out row, is the path's location further from the
+    target than the read-out's (leave-one-out) location? A ridge logistic regression of that on the query's leading
+    principal coordinates, each row weighed by how much the choice costs there, says where (which kind of query) the
+    read-out is the better; the guard is its logit over `_GUARD_LOGIT` (so at a probability of 0.88 the read-out's
+    score is up by 40 and it takes the value whole). It is kept only where, fitted on 4 of 5 folds of these rows, it
+    lowers the mean error on the fifth, summed over the folds; otherwise the guard stays 0."""
+    n = len(held_out.target)
+    dims = min(_GUARD_DIMS, held_out.queries.shape[1], n // _ROWS_PER_GUARD_DIM)
+    if dims < 1:
+        return 0.0
+    path_miss, readout_miss = _location_misses(small, held_out, transform, noise)
+    worse = (path_miss > readout_miss).double()
+    if not bool(worse.any()):
+        return 0.0
+    stakes = (path_miss - readout_miss).abs().clamp(max=_GUARD_STAKES)
+    features = _guard_features(held_out, dims)
+
+    def misses(weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        gate = ((features[rows] @ weights[:-1] + weights[-1]) / _GUARD_LOGIT).clamp(0.0, 1.0)
+        # Where the gate is 1 the read-out holds the value; in between the two blend (their softmax shares follow
+        # the score's rise nearly as a step: a share of the read-out that was π_0 becomes ~1 above e^-40).
+        return torch.where(gate > 0.5, readout_miss[rows], path_miss[rows])
+
+    folds = torch.arange(n) % _GUARD_FOLDS
+    guarded = unguarded = 0.0
+    for fold in range(_GUARD_FOLDS):
+        test, train = folds == fold, folds != fold
+        if not bool(test.any()) or not bool(worse[train].any()):
+            guarded += float(path_miss[test].sum())
+            unguarded += float(path_miss[test].sum())
+            continue
+        weights = _logistic_guard(features[train], worse[train], stakes[train])
+        guarded += float(misses(weights, test).sum())
+        unguarded += float(path_miss[test].sum())
+    if guarded >= unguarded:
+        return 0.0
+    weights = _logistic_guard(features, worse, stakes)
+    small.guard.weight.zero_()
+    small.guard.weight[0, :dims] = weights[:-1] / _GUARD_LOGIT
+    small.guard.bias.fill_(float(weights[-1]) / _GUARD_LOGIT)
+    return float((misses(weights, torch.arange(n)) == readout_miss).double().mean())
 
 
 @torch.no_grad()
@@ -750,7 +852,7 @@ def _read_back(path: CausalQwenContextValues, small: CausalQwenContextValues, me
     [`_write_back`] on the span of the coordinates (W·z + b = W·(mean + c·pinv(to_coords)) + b)."""
     from_coords = torch.linalg.pinv(to_coords).T  # [H, d]
     state = {name: tensor.detach().double().cpu() for name, tensor in path.state_dict().items()}
-    for name in ("query", "key", "choice", "mean_score", "width"):
+    for name in ("query", "key", "choice", "mean_score", "guard", "width"):
         weight = state[f"{name}.weight"]
         state[f"{name}.bias"] = state[f"{name}.bias"] + weight @ mean
         state[f"{name}.weight"] = weight @ from_coords
@@ -766,7 +868,7 @@ def _write_back(path: CausalQwenContextValues, small: dict, mean: torch.Tensor, 
     (b − W·to_coordsᵀ·mean). The key's two maps share one bias: K·c_j + b + K'·c_{j−1} = (K·to_coordsᵀ)·z_j +
     (K'·to_coordsᵀ)·z_{j−1} + b − (K + K')·to_coordsᵀ·mean, so that K'·z_{j−1} is 0 where z_{j−1} is (before the
     text's start, padding), as the rows had it."""
-    for name in ("query", "key", "choice", "mean_score", "width"):
+    for name in ("query", "key", "choice", "mean_score", "guard", "width"):
         weight = small[f"{name}.weight"] @ to_coords.T
         bias = small[f"{name}.bias"] - weight @ mean
         if name == "key":

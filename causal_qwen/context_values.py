@@ -142,6 +142,9 @@ class CausalQwenContextValues(nn.Module):
         self.choice = nn.Linear(hidden_size, len(CANDIDATES) - 1)
         self.mean_score = nn.Linear(hidden_size, 1)
         self.width = nn.Linear(hidden_size, 1)
+        # The read-out's guard g(z_t): where it is positive the read-out's score rises by up to `LINEAR_ONLY_SCORE`
+        # (docs/design.md §1c). 0 (weight and bias) leaves the choice as fitted, as in a checkpoint saved before it.
+        self.guard = nn.Linear(hidden_size, 1)
         # β of π̄ = (π_0, Σ_j π_j, π_ℓ, π_r), and of π_μ.
         self.width_by_choice = nn.Parameter(torch.zeros(len(CANDIDATES)))
         self.mean_width = nn.Parameter(torch.zeros(1))
@@ -176,6 +179,8 @@ class CausalQwenContextValues(nn.Module):
         if linear_only:
             tensors["choice.bias"][0] = LINEAR_ONLY_SCORE
             tensors["mean_score.bias"][0] = _MEAN_ABSENT_SCORE
+        tensors["guard.weight"] = torch.zeros(self.guard.weight.shape)
+        tensors["guard.bias"] = torch.zeros(1)
         tensors["width.weight"] = torch.zeros(self.width.weight.shape)
         tensors["width.bias"] = torch.zeros(1)
         tensors["width_by_choice"] = torch.zeros(len(CANDIDATES))
@@ -328,9 +333,12 @@ class CausalQwenContextValues(nn.Module):
     def _scores(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The queries `[B, T, 3r]`, the scores of the candidates that are not copies `[B, T, 4]` and the width map
         a·z_t `[B, T]` of queries `[B, T, H]`, float64."""
-        scores = torch.cat((self.query(queries), self.choice(queries), self.mean_score(queries), self.width(queries)),
-                           -1).double()  # one conversion rather than three
-        q, choice, raw_width = scores.split((3 * self.rank, len(CANDIDATES), 1), dim=-1)
+        scores = torch.cat((self.query(queries), self.choice(queries), self.mean_score(queries), self.guard(queries),
+                            self.width(queries)), -1).double()  # one conversion rather than four
+        q, choice, guard, raw_width = scores.split((3 * self.rank, len(CANDIDATES), 1, 1), dim=-1)
+        # §1c: where the guard says the read-out beats the path for this kind of query, its score rises (saturating
+        # at +40, where every other candidate weighs below e^-40); where the guard is ≤ 0 the choice is the fit's.
+        choice = torch.cat((choice[..., :1] + LINEAR_ONLY_SCORE * guard.clamp(0.0, 1.0), choice[..., 1:]), -1)
         return q, choice, raw_width.squeeze(-1)
 
     def _width(self, raw_width: torch.Tensor, summary: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

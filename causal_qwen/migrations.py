@@ -34,6 +34,8 @@ ADDED = (
     ("context_values", "mean_score.weight"),
     ("context_values", "mean_score.bias"),
     ("context_values", "mean_width"),
+    ("context_values", "guard.weight"),
+    ("context_values", "guard.bias"),
 )
 
 

@@ -30,9 +30,12 @@ yourself. The fit is recorded in `config.value_head_fit`, so a saved and reloade
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import TypeVar
 
 import torch
 
@@ -51,6 +54,9 @@ PENALTIES = (0.1, 1.0, 10.0, 100.0, 1000.0, 10000.0)
 NUM_ROW_PENALTY = 100.0
 """Ridge penalty of the `<NUM>` row's probe (standardised features, units of positions). On Qwen2.5-0.5B, 1, 10 and
 100 score alike on held-out texts (num_f1 0.96, 0.96, 0.94), and 100 changes the row least (by 0.6 of its norm)."""
+
+
+_Fit = TypeVar("_Fit", bound=Callable)
 
 
 class NotEnoughNumbersError(ValueError):
@@ -72,7 +78,8 @@ class ValueHeadFit:
     NLL of the path is the fit's before that, which each switch raised by at most 10⁻³ on the held-out rows), and
     whether the fit it kept had its pointer fitted to the copied numbers first (`context_start._fit_pointer`; None:
     the path as it was, or none kept), and the held-out value NLL of the path on the rows as read (without the
-    scaled copies of `context_nll`), which chose it (the read-out's where none was kept).
+    scaled copies of `context_nll`), which chose it (the read-out's where none was kept), and the share of the
+    held-out rows where the read-out's guard (docs/design.md §1c) hands the value back to the read-out.
     """
 
     positions: int
@@ -95,6 +102,7 @@ class ValueHeadFit:
     context_off: list[str] | None = None
     context_pointer: bool | None = None
     context_nll_as_read: float | None = None
+    context_guarded: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -160,7 +168,7 @@ def known_next_tokens(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
 def _read_rows(model, batches: Iterable[Mapping[str, torch.Tensor]], max_positions: int,
                max_decision_positions: int = 0) -> _StartRows:
     device = next(model.parameters()).device
-    xs, ys, us, u_scales, rivals, labels, x_scales = [], [], [], [], [], [], []
+    xs, ys, us, u_scales, rivals, labels, x_scales, keys = [], [], [], [], [], [], [], []
     count = decided = 0
     context = ContextRows() if getattr(model.abduction, "context_values", None) is not None else None
     features = {}
@@ -170,7 +178,7 @@ def _read_rows(model, batches: Iterable[Mapping[str, torch.Tensor]], max_positio
     try:
         for batch in batches:
             if _read_batch(model, batch, device, max_decision_positions - decided, (xs, ys, us, u_scales, rivals,
-                           labels, x_scales), context, features):
+                           labels, x_scales, keys), context, features):
                 count, decided = sum(len(t) for t in xs), sum(len(t) for t in us)
             if count >= max_positions and decided >= max_decision_positions:
                 break
@@ -180,19 +188,48 @@ def _read_rows(model, batches: Iterable[Mapping[str, torch.Tensor]], max_positio
     if not xs:
         raise NotEnoughNumbersError("batches hold no position whose label is <NUM>: there is nothing to fit the value "
                                     "head on")
-    x, y = torch.cat(xs)[:max_positions], torch.cat(ys)[:max_positions]
+    # The rows in an order of their own content, not of the batches': the fits, their held-out fifth and their sums
+    # are then the same whatever order the data came in (docs/design.md §1c).
+    order = sorted(range(len(keys)), key=keys.__getitem__)[:max_positions]
+    index = torch.tensor(order, dtype=torch.long)
+    x, y = torch.cat(xs)[index], torch.cat(ys)[index]
+    if context is not None:
+        context.reorder(order)
     empty = torch.empty(0, x.shape[1], dtype=torch.float64)
     return _StartRows(x, transform_values(y, model.config.value_transform),
                       torch.cat(us) if us else empty, torch.cat(u_scales) if u_scales else empty,
                       torch.cat(rivals) if rivals else torch.empty(0, dtype=torch.float64),
                       torch.cat(labels) if labels else torch.empty(0, dtype=torch.bool),
-                      torch.cat(x_scales)[:max_positions], context)
+                      torch.cat(x_scales)[index], context)
+
+
+def _row_keys(batch: Mapping[str, torch.Tensor], where: torch.Tensor) -> list[bytes]:
+    """A digest of each row's text up to its query (`where` `[B, S]`, row-major as `nonzero` lists them): the ids and
+    values of its own text's positions (attended, from its last position id 0), which no batching or padding
+    changes."""
+    ids = batch["input_ids"].cpu()
+    values = batch.get("numeric_values")
+    values = torch.zeros(ids.shape, dtype=torch.float64) if values is None else values.cpu().double()
+    mask = batch.get("attention_mask")
+    attended = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask.cpu().bool()
+    positions = batch.get("position_ids")
+    keys = []
+    for b, t in where.nonzero().tolist():
+        first = 0
+        if positions is not None:
+            starts = (positions[b, :t + 1].cpu() == 0).nonzero().flatten()
+            first = int(starts[-1]) if len(starts) else 0
+        kept = attended[b, first:t + 1]
+        digest = hashlib.sha256(ids[b, first:t + 1][kept].numpy().tobytes())
+        digest.update(values[b, first:t + 1][kept].numpy().tobytes())
+        keys.append(digest.digest())
+    return keys
 
 
 def _read_batch(model, batch, device, decisions_left: int, out: tuple, context: ContextRows | None,
                 features: dict) -> bool:
     """Append one batch's rows to the lists of `out`; False when it has no `<NUM>` label."""
-    xs, ys, us, u_scales, rivals, labels, x_scales = out
+    xs, ys, us, u_scales, rivals, labels, x_scales, keys = out
     num_id = model.config.num_token_id
     action = model.action
     values = batch.get("numeric_labels")
@@ -204,6 +241,7 @@ def _read_batch(model, batch, device, decisions_left: int, out: tuple, context: 
     inputs = {k: batch[k].to(device) for k in ("input_ids", "numeric_values", "attention_mask", "position_ids")
               if batch.get(k) is not None}
     out = model(**inputs, logits_to_keep=0, output_distributions=False)
+    keys.extend(_row_keys(batch, where))
     xs.append(out.loc_U[where.to(device)].double().cpu())
     x_scales.append(out.scale_U[where.to(device)].double().cpu())
     ys.append(next_values[where].double().cpu())
@@ -435,6 +473,20 @@ def _write_readout(model, x: torch.Tensor, y: torch.Tensor, penalties: Sequence[
     return penalty, error, noise, loo
 
 
+def _leaves_random_state(fit: _Fit) -> _Fit:
+    """Run `fit` with torch's global random state restored afterwards (CPU and accelerators alike): a seeded run
+    draws the same numbers whether or not, and whenever, a start ran."""
+
+    @functools.wraps(fit)
+    def forked(*args, **kwargs):
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=devices):
+            return fit(*args, **kwargs)
+
+    return forked
+
+
+@_leaves_random_state
 @torch.no_grad()
 def refit_value_readout(
     model,
@@ -484,6 +536,7 @@ def _fit_value_side(model, rows: _StartRows, penalties: Sequence[float], context
     return fields
 
 
+@_leaves_random_state
 @torch.no_grad()
 def fit_value_head(
     model,

@@ -22,6 +22,9 @@ def _perturb(model, seed: int = 7) -> None:
     with torch.no_grad():
         for param in model.abduction.context_values.parameters():
             param.copy_(torch.randn(param.shape, generator=g) * 0.4)
+        # The read-out's guard at 0 leaves the choice as fitted (its own tests set it).
+        model.abduction.context_values.guard.weight.zero_()
+        model.abduction.context_values.guard.bias.zero_()
         model.action.reg_head.weight.normal_(0.0, 0.5, generator=g)
         model.action.reg_head.bias.fill_(0.3)
 
@@ -82,7 +85,10 @@ def reference_value(model, ids, values):
             choice = p["choice.weight"] @ z[i, t] + p["choice.bias"]
             mean_score = float(p["mean_score.weight"][0] @ z[i, t] + p["mean_score.bias"][0])
             numbers = [j for j in range(t + 1) if int(ids[i, j]) == NUM]
-            scores = [float(choice[0])] + ([float(choice[1]), float(choice[2]), mean_score] if numbers else [])
+            # The read-out's guard (docs/design.md §1c) raises its score by 40·clamp(g·z + g_0, 0, 1).
+            guard = float(p["guard.weight"][0] @ z[i, t] + p["guard.bias"][0])
+            linear_score = float(choice[0]) + 40.0 * min(max(guard, 0.0), 1.0)
+            scores = [linear_score] + ([float(choice[1]), float(choice[2]), mean_score] if numbers else [])
             copies, log_sum, raw_sum, total = [], 0.0, 0.0, 0.0
             for j in numbers:
                 # The key reads the number's features and those of the position before it (none before the first).
@@ -1507,3 +1513,26 @@ def test_the_locations_loss_is_the_smooth_absolute_error(monkeypatch):
     assert float(r.grad[4]) == pytest.approx(-1 / len(residuals), rel=1e-4)
     monkeypatch.setattr(context_start, "_LOCATION_SMOOTHING", 0.0)
     assert float(context_start._location_error(r.detach())) == pytest.approx(sum(map(abs, residuals)) / len(residuals))
+
+
+@pytest.mark.parametrize("guard", [0.1, 0.6])
+def test_the_guard_raises_the_readouts_score_as_its_formula_says(model, guard):
+    with torch.no_grad():
+        model.abduction.context_values.guard.weight.normal_(0.0, 0.01, generator=torch.Generator().manual_seed(3))
+        model.abduction.context_values.guard.bias.fill_(guard)
+    ids, values = numbers_batch()
+    with torch.no_grad():
+        out = model(ids, numeric_values=values)
+    loc_y, scale_y = reference_value(model, ids, values)
+    torch.testing.assert_close(out.loc_Y.double(), loc_y, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(out.scale_Y.double(), scale_y, rtol=2e-5, atol=2e-5)
+
+
+def test_a_saturated_guard_leaves_the_value_to_the_readout(model):
+    ids, values = numbers_batch()
+    with torch.no_grad():
+        model.abduction.context_values.guard.bias.fill_(1.5)
+        guarded = model(ids, numeric_values=values)
+        model.abduction.context_values.choice.bias[0] = 1e4  # the read-out alone, by its own score
+        readout = model(ids, numeric_values=values)
+    torch.testing.assert_close(guarded.loc_Y, readout.loc_Y, rtol=1e-6, atol=1e-6)
