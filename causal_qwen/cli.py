@@ -99,7 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "see causal_qwen.starts)")
     train.add_argument("--train-value-features", action=argparse.BooleanOptionalAction, default=False,
                        help="also train the numeric embedding and the abduction network the value reads (default: "
-                            "off, the value side stays its start; see docs/training.md)")
+                            "off: the read-out learns from its start on the rows the start read; see docs/training.md)")
+    train.add_argument("--value-learning", action=argparse.BooleanOptionalAction, default=True,
+                       help="train the value read-out from its start by gradient, keeping the state of least "
+                            "held-out error (default: on; causal_qwen.value_learning)")
+    train.add_argument("--value-learning-rate", type=float,
+                       help="Adam's rate of the read-out's training, in whitened coordinates (default: "
+                            "ValueLearning's)")
+    train.add_argument("--value-start-rows", type=int, default=4096,
+                       help="value rows the start reads (and the read-out trains on), a seeded sample of the "
+                            "training data when it holds more (default: %(default)s)")
 
     evaluate = commands.add_parser("eval", help="metrics table and plots",
                                    description="Evaluate every metric (docs/design.md §6) and write PNG plots.")
@@ -137,9 +146,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # Checked on the parsed arguments, before anything is loaded. Arguments a command lacks are skipped.
-_POSITIVE_INTS = ("max_new_tokens", "top_k", "max_steps", "batch_size", "max_length", "num_examples", "eval_examples")
+_POSITIVE_INTS = ("max_new_tokens", "top_k", "max_steps", "batch_size", "max_length", "num_examples", "eval_examples",
+                  "value_start_rows")
 _NON_NEGATIVE_INTS = ("seed", "eval_steps")
-_POSITIVE_FLOATS = ("temperature", "learning_rate")
+_POSITIVE_FLOATS = ("temperature", "learning_rate", "value_learning_rate")
 
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -312,6 +322,16 @@ def _has_accelerator() -> bool:
     return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
 
 
+def _value_learning(args):
+    """The read-out's training settings of `--value-learning` and `--value-learning-rate` (None: off)."""
+    from .value_learning import ValueLearning
+
+    if not args.value_learning:
+        return None
+    return ValueLearning() if args.value_learning_rate is None else ValueLearning(
+        learning_rate=args.value_learning_rate)
+
+
 def run_train(args) -> int:
     from transformers import TrainingArguments
 
@@ -347,12 +367,19 @@ def run_train(args) -> int:
     trainer = CausalQwenTrainer(model=model, args=training_args, train_dataset=train_features,
                                 eval_dataset=eval_features, data_collator=collator,
                                 value_head_start=args.value_head_start,
-                                train_value_features=args.train_value_features)
+                                train_value_features=args.train_value_features,
+                                value_learning=_value_learning(args),
+                                value_start_rows=args.value_start_rows)
     if trainer.value_head_start is not None and model.config.use_numeric and model.config.value_head_fit is None:
         # The start reads the training data through the model before the first step: minutes on a CPU, in silence.
         print("fitting the value head to the training data's numbers before the first step "
               "(docs/training.md#the-value-heads-start-from-data) ...")
     trainer.train()
+    learner = trainer.value_head_start.learner if trainer.value_head_start is not None else None
+    if learner is not None:
+        record = learner.record
+        print(f"value held-out median absolute error (head space): start {record.start_error:.4g}, "
+              f"after training {record.best_error:.4g}")
     model.save_pretrained(args.output)
     tokenizer.save_pretrained(args.output)
     curve = plot_loss_curves(trainer.state.log_history, Path(args.output) / "loss.png")

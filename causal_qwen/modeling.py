@@ -42,6 +42,7 @@ from .labels import LossTargets
 from .loading import CausalQwenLoadingMixin, inverse_softplus
 from .loss import AnchorTerm, DecisionScores, FusedHead, LossOptions, Tiling, causal_qwen_loss
 from .migrations import ADDED, register_checkpoint_conversions, upgrade_state_dict
+from .next_value import next_values
 from .outputs import CausalQwenActionOutput, CausalQwenOutput, keep_positions
 
 # The loss's keywords of the forward, which `Trainer` (the counts) and context parallelism (the shifted labels) pass.
@@ -547,6 +548,15 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenLoadingMixin, K
         loc, scale = loc_y.to(device, torch.float64), scale_y.to(device, torch.float64)
         lower, upper = cauchy.central_interval(loc, scale, coverage)
         return tuple(self.to_value(b) for b in (loc, lower, upper))
+
+    def next_value(self, tokenizer, prompts, levels=(0.5, 0.9), batch_size: int = 16):
+        """The value each prompt asks for next: a [`next_value.NextValue`] (median, central intervals at `levels`)
+        per prompt, read at the position before `<NUM>` (a separator the model writes first, such as a trailing
+        space, is appended; a prompt whose next token is not `<NUM>` warns).
+
+            >>> model.next_value(tokenizer, "A car of 2300 pounds gets")[0].median
+        """
+        return next_values(self, tokenizer, prompts, levels, batch_size)
 
     def to_value(self, y: torch.Tensor) -> torch.Tensor:
         """Map a point of the regression head's space back to a value (the inverse of `value_transform`)."""

@@ -38,15 +38,18 @@ from dataclasses import asdict, dataclass
 from typing import TypeVar
 
 import torch
+from transformers.utils import logging
 
 from .cauchy import linear, transform_values
 from .checks import check_positive_finite
 from .context_start import ContextRows, fit_context_values, one_thread
-from .context_values import CausalQwenContextValues
+from .context_values import CausalQwenContextValues, entry_values
 from .labels import IGNORE_INDEX, next_token_targets
+from .value_learning import LearningRows
 
-__all__ = ["NotEnoughNumbersError", "ValueHeadFit", "fit_value_head", "known_next_tokens", "num_decision_start",
-           "refit_value_readout", "ridge_readout", "value_head_rows"]
+__all__ = ["NotEnoughNumbersError", "ValueHeadFit", "ValueStart", "fit_value_head", "known_next_tokens",
+           "num_decision_start", "read_value_rows", "refit_value_readout", "ridge_readout", "start_value_side",
+           "value_head_rows"]
 
 PENALTIES = (0.1, 1.0, 10.0, 100.0, 1000.0, 10000.0)
 """Ridge penalties tried, on features standardised to unit variance (the penalty is in units of positions)."""
@@ -126,6 +129,7 @@ class _StartRows:
     is_num: torch.Tensor
     x_scale: torch.Tensor | None = None  # scale_U at the rows of `x`, with the context-value path
     context: ContextRows | None = None  # the path's rows, aligned with `x`
+    loo: torch.Tensor | None = None  # the ridge read-out's leave-one-out residuals at `x`, once fitted
 
 
 @torch.no_grad()
@@ -175,14 +179,20 @@ def _read_rows(model, batches: Iterable[Mapping[str, torch.Tensor]], max_positio
     # The features the path reads, from the path itself (through PEFT's wrappers, whichever copy the forward calls).
     paths = [m for m in model.modules() if isinstance(m, CausalQwenContextValues)] if context is not None else []
     hooks = [m.register_forward_pre_hook(lambda module, args: features.update(z=args[0])) for m in paths]
+    # transformers' progress bar (off with `transformers.utils.logging.disable_progress_bar()`): on a CPU the start's
+    # pass over the data through the backbone takes minutes.
+    progress = logging.tqdm(desc="value start: reading value rows", unit=" rows", leave=False)
     try:
         for batch in batches:
+            seen = sum(len(t) for t in xs)
             if _read_batch(model, batch, device, max_decision_positions - decided, (xs, ys, us, u_scales, rivals,
                            labels, x_scales, keys), context, features):
                 count, decided = sum(len(t) for t in xs), sum(len(t) for t in us)
+                progress.update(count - seen)
             if count >= max_positions and decided >= max_decision_positions:
                 break
     finally:
+        progress.close()
         for hook in hooks:
             hook.remove()
     if not xs:
@@ -528,6 +538,7 @@ def _fit_value_side(model, rows: _StartRows, penalties: Sequence[float], context
     refits from random starts alone landed in other minima than the start's, and the end-of-training check of trained
     features restored features that had not moved."""
     penalty, error, noise, loo = _write_readout(model, rows.x, rows.y, penalties)
+    rows.loo = loo
     fields = {"positions": int(rows.x.shape[0]), "penalty": penalty, "loo_median_abs_error": error,
               "regression_noise": noise}
     if rows.context is not None:
@@ -536,8 +547,68 @@ def _fit_value_side(model, rows: _StartRows, penalties: Sequence[float], context
     return fields
 
 
-@_leaves_random_state
 @torch.no_grad()
+def _path_read(model, rows: _StartRows, chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The context-value path's (π_0, m, ρ) `[N]` at each row, as the model reads them (the latest `MAX_CONTEXT`
+    earlier numbers of each); (1, 0, 1) without the path."""
+    n = rows.x.shape[0]
+    path = getattr(model.abduction, "context_values", None)
+    if path is None or rows.context is None:
+        ones = torch.ones(n, dtype=torch.float64)
+        return ones, torch.zeros(n, dtype=torch.float64), ones.clone()
+    param = next(path.parameters())
+    parts = []
+    for lo in range(0, n, chunk):
+        queries, keys, values, present = (t[lo:lo + chunk] for t in rows.context.stacked(n))
+        own, before = (k.to(param) for k in keys.chunk(2, dim=-1))
+        entries = entry_values(present, values, model.config.value_transform).to(param.device)
+        read = path.read(queries.to(param)[:, None], path.keys(own, before), entries, present.to(param.device)[:, None],
+                         model.config.value_transform, graph=False)
+        parts.append(torch.stack((read.linear_weight[:, 0], read.offset[:, 0], read.width[:, 0])).double().cpu())
+    linear, offset, width = torch.cat(parts, -1)
+    return linear, offset, width
+
+
+def _learning_rows(model, rows: _StartRows) -> LearningRows:
+    """The rows the read-out trains on (`value_learning.LearningRows`): the start's rows, their held-out fifth the
+    path's (every fifth in the rows' content order)."""
+    linear, offset, width = _path_read(model, rows)
+    noisy = rows.x_scale + model.action.b_noise.detach().double().cpu().abs()
+    held = torch.arange(rows.x.shape[0]) % 5 == 0
+    return LearningRows(rows.x, noisy, linear, offset, width, rows.y, held)
+
+
+@dataclass
+class ValueStart:
+    """What [`start_value_side`] returns: the record of the fit, the rows the read-out trains on after it, and the
+    start's locations there as it predicts rows it did not see (the read-out's leave-one-out locations; `[N]`)."""
+
+    fit: ValueHeadFit
+    rows: LearningRows
+    start_locations: torch.Tensor
+
+
+def read_value_rows(model, batches: Iterable[Mapping[str, torch.Tensor]], *, max_positions: int = 4096,
+                    penalties: Sequence[float] = PENALTIES) -> ValueStart:
+    """The rows the read-out trains on, read from `batches` for a model whose value side is fitted already (a
+    checkpoint fine-tuned on new data, a resumed run): nothing is written; the "start" is the model as it is, scored
+    on the held-out rows by its own locations."""
+    rows = _read_rows_in_eval(model, batches, max_positions, 0, "read_value_rows")
+    learning = _learning_rows(model, rows)
+    w = model.action.reg_head.weight.detach().double().cpu()[0]
+    locations = learning.linear_weight * (rows.x @ w + float(model.action.reg_head.bias)) + learning.offset
+    penalty = (model.config.value_head_fit or {}).get("penalty", penalties[len(penalties) // 2])
+    fit = ValueHeadFit(positions=int(rows.x.shape[0]), penalty=float(penalty), loo_median_abs_error=math.nan,
+                       regression_noise=None)
+    return ValueStart(fit, learning, locations)
+
+
+def _value_start(model, fit: ValueHeadFit, rows: _StartRows) -> ValueStart:
+    learning = _learning_rows(model, rows)
+    locations = learning.linear_weight * (rows.y - rows.loo) + learning.offset
+    return ValueStart(fit, learning, locations)
+
+
 def fit_value_head(
     model,
     batches: Iterable[Mapping[str, torch.Tensor]],
@@ -573,6 +644,26 @@ def fit_value_head(
 
         >>> fit = fit_value_head(model, trainer.get_eval_dataloader(train_dataset))   # plain Trainer
     """
+    return start_value_side(model, batches, penalties=penalties, max_positions=max_positions, num_row=num_row,
+                            max_decision_positions=max_decision_positions, num_row_penalty=num_row_penalty,
+                            context_starts=context_starts).fit
+
+
+@_leaves_random_state
+@torch.no_grad()
+def start_value_side(
+    model,
+    batches: Iterable[Mapping[str, torch.Tensor]],
+    *,
+    penalties: Sequence[float] = PENALTIES,
+    max_positions: int = 4096,
+    num_row: bool = True,
+    max_decision_positions: int = 8192,
+    num_row_penalty: float = NUM_ROW_PENALTY,
+    context_starts: int | None = None,
+) -> ValueStart:
+    """[`fit_value_head`], which it is, keeping the rows it read for the read-out's training from its start
+    (`value_learning.ValueLearner`): a [`ValueStart`]."""
     if not isinstance(num_row, bool):
         raise TypeError(f"num_row must be a bool, got {type(num_row).__name__}")
     if not isinstance(max_decision_positions, int) or isinstance(max_decision_positions, bool) \
@@ -596,4 +687,4 @@ def fit_value_head(
         action.cls_head.bias[num_id] += delta_b
     fit = ValueHeadFit(**value_side, **decision)
     model.config.value_head_fit = fit.to_dict()
-    return fit
+    return _value_start(model, fit, rows)

@@ -34,7 +34,8 @@ from .checks import check_positive_finite
 from .context_start import held_out_rows
 from .labels import IGNORE_INDEX, next_token_targets
 from .pairing import check_tokenizer_matches
-from .starts import NotEnoughNumbersError, fit_value_head, refit_value_readout
+from .starts import NotEnoughNumbersError, read_value_rows, refit_value_readout, start_value_side
+from .value_learning import ValueLearner, ValueLearning
 
 __all__ = ["CausalQwenTrainer", "LEARNING_RATE_SCALES", "ValueHeadStartCallback", "parameter_groups",
            "readout_parameters", "value_side_parameters"]
@@ -67,6 +68,9 @@ Qwen2.5-0.5B experiment (AdamW, no weight decay).
 # torch.compile and FSDP1 / activation-checkpointing wrappers.
 _WRAPPER_WITH_ADAPTER = "modules_to_save"
 _WRAPPERS = {"original_module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
+
+# The read-out's training from its start, on by default (a frozen object: one shared default is safe).
+DEFAULT_VALUE_LEARNING = ValueLearning()
 
 # Fewer held-out values than this cannot tell trained features from the start's (the path's fit on a few rows is as
 # chaotic as its difference): the end-of-training check is then not made and trained features are kept.
@@ -210,12 +214,21 @@ class ValueHeadStartCallback(TrainerCallback):
     """
 
     def __init__(self, trainer: Trainer, max_positions: int = 4096, refit_readout: bool = True,
-                 train_features: bool = False):
+                 train_features: bool = False, learning: ValueLearning | None = DEFAULT_VALUE_LEARNING):
         for name, flag in (("refit_readout", refit_readout), ("train_features", train_features)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
+        if learning is not None and not isinstance(learning, ValueLearning):
+            raise TypeError(f"learning must be a ValueLearning or None, got {type(learning).__name__}")
+        if not isinstance(max_positions, int) or isinstance(max_positions, bool) or max_positions < 3:
+            raise ValueError(f"max_positions must be an int of at least 3, got {max_positions!r}")
         self.trainer = trainer
         self.max_positions = max_positions
+        self.learning = learning
+        # The read-out's training from its start on the rows the start read (value_learning.py), where nothing the
+        # value reads trains; None: not (yet) learning.
+        self.learner: ValueLearner | None = None
+        self._start = None  # the start's rows, from the fit to the learner
         self.fit = None
         sharded = bool(getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False))
         self.refit_readout = refit_readout and not sharded
@@ -243,12 +256,17 @@ class ValueHeadStartCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         model = self.trainer.model if model is None else model
         self._fit(model, state.global_step > 0)
-        # Where nothing loc_U reads trains, the value side stays the start's: a refit would fit it again as it is.
+        # Where nothing loc_U reads trains, the rows' features stay what the start read: the read-out learns on them
+        # (value_learning.py). Where they move, the refits keep the read-out fitted to them instead.
         self._features_train = _value_features_train(model)
+        self._start_learning(model)
         if state.global_step == 0:
             self._keep_start_features(model)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.learner is not None:
+            self.learner.step()
+            _broadcast_readout(self.trainer.model if model is None else model)
         if control.should_evaluate or control.should_save or state.global_step >= state.max_steps:
             self._refit(self.trainer.model if model is None else model, state.global_step)
 
@@ -258,6 +276,11 @@ class ValueHeadStartCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         model = self.trainer.model if model is None else model
+        if self.learner is not None and self.trainer.is_world_process_zero():
+            record = self.learner.record
+            logger.warning(f"value side: held-out median absolute error (head space) {record.start_error:.4g} at the "
+                           f"start, {record.best_error:.4g} after training (best at learner step {record.best_step} "
+                           f"of {self.learner.steps})")
         if self._refitted_step != state.global_step or args.load_best_model_at_end:
             self._refit(model, state.global_step)
         self._restore_start_features_if_worse(model, state.global_step)
@@ -282,12 +305,35 @@ class ValueHeadStartCallback(TrainerCallback):
         getattr(self.trainer, "_eval_dataloaders", {}).pop("eval", None)
         return loader
 
+    def _start_learning(self, model) -> None:
+        """The read-out's learner, on the start's rows or, for a model fitted before (a checkpoint on new data, a
+        resumed run), on rows read now; none where the features move, under several processes or a sharding engine
+        (each would learn from its own shard), or without `learning`."""
+        if (self.learning is None or self._features_train or not self.refit_readout or not _has_value_head(model)
+                or self.trainer.args.world_size > 1):
+            self._start = None
+            return
+        start = getattr(self, "_start", None)
+        if start is None:
+            try:
+                start = read_value_rows(model, self._train_rows(), max_positions=self.max_positions)
+            except NotEnoughNumbersError:
+                return
+        self.learner = ValueLearner(model.action, start.rows, self.learning, start.fit.penalty, start.start_locations)
+        self._start = None  # the rows live in the learner now
+        if self.trainer.is_world_process_zero():
+            logger.warning(f"value side: {int((~start.rows.held).sum())} rows train the read-out from its start, "
+                           f"{int(start.rows.held.sum())} held out; held-out median absolute error (head space) "
+                           f"{self.learner.record.start_error:.4g} at the start")
+
     def _fit(self, model, resuming: bool) -> None:
         config = getattr(model, "config", None)
         if not _has_value_head(model) or config.value_head_fit is not None or resuming:
             return
         try:
-            fit, reason = fit_value_head(model, self._train_rows(), max_positions=self.max_positions), None
+            start = start_value_side(model, self._train_rows(), max_positions=self.max_positions)
+            fit, reason = start.fit, None
+            self._start = start
         except NotEnoughNumbersError as error:  # text-only data: train without the start, from the head as it is
             fit, reason = None, str(error)
         # Process 0's head is broadcast, fitted or not (another process's shard may hold numbers where its does
@@ -567,13 +613,20 @@ class CausalQwenTrainer(Trainer):
     trained loc_U before every evaluation and checkpoint and at the end of training ([`refit_value_readout`]), where
     anything loc_U reads trains. `False` trains the read-out with the other heads, as before.
 
+    `value_learning` (a frozen [`ValueLearning`], on by default) trains the read-out from its start by gradient, one
+    step of its own per optimizer step, on the value rows the start read (their features do not move while nothing
+    the value reads trains), in whitened coordinates, keeping the state of least held-out error (value_learning.py);
+    `None` holds the read-out at its start. `value_start_rows` is how many value rows the start reads (a sample of the
+    training set in a seeded order of its own when it holds more).
+
     `train_value_features=False` (the default, with the refits) also holds the features the value reads (the
     numeric embedding, the abduction network) out of the optimizer, so that with the frozen backbone the value side
     after training is the start's; `True` trains them, and the start's come back at the end where they score worse.
     """
 
     def __init__(self, *args, learning_rate_scales: dict[str, float] | None = None, value_head_start: bool = True,
-                 refit_value_readout: bool = True, train_value_features: bool = False, **kwargs):
+                 refit_value_readout: bool = True, train_value_features: bool = False,
+                 value_learning: ValueLearning | None = DEFAULT_VALUE_LEARNING, value_start_rows: int = 4096, **kwargs):
         self.learning_rate_scales = _check_scales(
             LEARNING_RATE_SCALES if learning_rate_scales is None else learning_rate_scales)
         if not isinstance(value_head_start, bool):
@@ -597,8 +650,10 @@ class CausalQwenTrainer(Trainer):
         self._loss_parts: dict[str, torch.Tensor | float] = dict.fromkeys(_LOSS_PARTS, 0.0)
         self._loss_part_steps: set[int] = set()
         self._num_numbers_in_batch: torch.Tensor | None = None  # the step's <NUM> targets (get_batch_samples)
-        self.value_head_start = (ValueHeadStartCallback(self, refit_readout=refit_value_readout,
-                                                        train_features=train_value_features)
+        self.value_head_start = (ValueHeadStartCallback(self, max_positions=value_start_rows,
+                                                        refit_readout=refit_value_readout,
+                                                        train_features=train_value_features,
+                                                        learning=value_learning)
                                  if value_head_start else None)
         if self.value_head_start is not None:
             self.add_callback(self.value_head_start)
@@ -730,6 +785,10 @@ class CausalQwenTrainer(Trainer):
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs:
             self._log_loss_parts(logs)
+            learner = self.value_head_start.learner if self.value_head_start is not None else None
+            if learner is not None:  # the value's held-out curve, beside the loss
+                logs["value_held_out_error"] = learner.record.curve[-1][1]
+                logs["value_held_out_error_best"] = learner.record.best_error
         super().log(logs, *args, **kwargs)
 
     def _log_loss_parts(self, logs: dict[str, float]) -> None:

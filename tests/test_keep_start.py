@@ -115,10 +115,13 @@ def value_side_parameters(model) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("context_values", [False, True])
-def test_training_with_the_defaults_keeps_the_start_and_trains_the_decisions(tiny_qwen, tmp_path, context_values):
-    """By default the value read-out and the features it reads are held out of the optimizer: with the frozen
-    backbone the model predicts every held-out value's location after training exactly as right after the start,
-    with no refit, while the class decisions learn."""
+@pytest.mark.parametrize("learning", [True, False])
+def test_training_keeps_the_features_out_of_the_optimizer_and_trains_the_decisions(tiny_qwen, tmp_path,
+                                                                                   context_values, learning):
+    """By default the value read-out and the features it reads are held out of the optimizer: the read-out learns
+    on the start's rows by its own steps (value_learning.py), the features and the path stay the start's, and the
+    class decisions learn. With `value_learning=None` the model predicts every held-out value's location after
+    training exactly as right after the start, with no refit."""
     train, held_out = related(256, seed=1), related(64, seed=2)
     model = fresh(tiny_qwen, context_values=context_values)
     at_start = {}
@@ -132,16 +135,25 @@ def test_training_with_the_defaults_keeps_the_start_and_trains_the_decisions(tin
                                 params={n: p.detach().clone() for n, p in value_side_parameters(model).items()})
 
     trainer = CausalQwenTrainer(model=model, args=args(tmp_path, 12), train_dataset=train,
-                                data_collator=CausalQwenDataCollator(0), callbacks=[Start()])
+                                data_collator=CausalQwenDataCollator(0), callbacks=[Start()],
+                                **({} if learning else {"value_learning": None}))
     value_side = value_side_parameters(model)
     assert {id(p) for p in trainer.value_head_start._held} == {id(p) for p in value_side.values()}
     trainer.train()
     optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
     assert not optimized & {id(p) for p in value_side.values()}
     assert id(model.action.cls_head.weight) in optimized
+    learner = trainer.value_head_start.learner
+    assert (learner is not None) == learning
+    learnt = learning and learner.record.best_step > 0
     for name, param in value_side.items():
-        torch.testing.assert_close(param.detach(), at_start["params"][name], rtol=0, atol=0, msg=name)
+        if learnt and name.startswith("action.reg_head"):
+            assert not torch.equal(param.detach(), at_start["params"][name])  # the read-out learnt
+        else:
+            torch.testing.assert_close(param.detach(), at_start["params"][name], rtol=0, atol=0, msg=name)
     assert not torch.equal(model.action.cls_head.weight, at_start["cls"])  # the decisions trained
+    if learning:
+        return
     torch.testing.assert_close(eval_forward(model, held_out)[0].loc_Y, at_start["loc_y"], rtol=0, atol=0)
     # The widths move only with b_noise (0.01x the head's rate, shared with the class decisions).
     assert model_value_nll(model, held_out) == pytest.approx(at_start["nll"], rel=1e-3)
@@ -525,7 +537,7 @@ def start_reading(tiny_qwen, tmp_path, monkeypatch, train: list[dict], sampling:
             return result
         return wrapped
 
-    monkeypatch.setattr(training, "fit_value_head", spy(training.fit_value_head))
+    monkeypatch.setattr(training, "start_value_side", spy(training.start_value_side))
     monkeypatch.setattr(training, "refit_value_readout", spy(training.refit_value_readout))
     model = fresh(tiny_qwen)
     trainer = CausalQwenTrainer(model=model, args=args(tmp_path / sampling, 2, train_sampling_strategy=sampling,
@@ -571,7 +583,9 @@ def test_the_start_reads_a_sample_of_data_sorted_by_source(tiny_qwen, tmp_path, 
         if sampling == "random":
             sampled = start
     assert coverage["sequential"][1] < 0.1 and coverage["sequential"][0] < 0.3, coverage
-    assert abs(coverage["random"][0] - 0.5) < 0.1 and coverage["random"][1] > 0.15, coverage
+    # The sample of both sources covers the second's values where the first's alone does not (on 64 held-out rows a
+    # 50% interval's coverage varies by ±0.06 with the training's shuffle, so the two are compared, not one to 0.5).
+    assert coverage["random"][0] > coverage["sequential"][0] + 0.1 and coverage["random"][1] > 0.15, coverage
     # A datasets.Dataset (with a column the model does not take, which Trainer drops) is read in the same order.
     table = datasets.Dataset.from_list([{**ex, "source": "second" if sources[ids] else "first"}
                                         for ex, ids in zip(train, in_order, strict=True)])

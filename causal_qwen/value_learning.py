@@ -1,0 +1,163 @@
+"""The value side learns during training (docs/design.md §7b): the read-out trained by gradient from its start.
+
+With the backbone frozen and the features the value reads held (the trainer's defaults), a row's features do not
+change while the model trains: loc_U, scale_U and the context-value path's read (π_0, m_t, ρ_t) at each value row
+are what the start read. So the rows are read once (the start's pass, or one pass over new data for a model fitted
+before) and the read-out trains on them by gradient, at no cost to the backbone, one step of its own per optimizer
+step of the trainer, on the value's own loss (the Cauchy NLL of the regression term of docs/design.md §4).
+
+Adam moves each coordinate by about its rate per step, and the features of z differ in scale by orders of magnitude
+(a few dimensions of Qwen2.5 reach |z| > 100): in z's own coordinates Adam undoes a least-squares read-out in a few
+steps (docs/experiments.md). The read-out trains instead in the whitened coordinates of its rows: with a the
+standardised features and Σ = aᵀa/N + (λ/N)·I (λ the start's ridge penalty), w_reg = w_start + (Σ^-1/2·v)/σ and
+b_reg = b_start + δ − μ·(Σ^-1/2·v)/σ, with v and δ starting at 0. There every direction moves the prediction alike
+and a step of Adam is a step of (preconditioned) gradient descent on the read-out's loss.
+
+A guard keeps the best state: the rows the start held out (a fifth, chosen by the rows' content) never train the
+read-out; its median absolute error in the head's space there (what the evaluation's median relative error punishes)
+is measured at every step, the best state is written into the model, and a state no better than the start never
+replaces it. The start itself is scored there by its leave-one-out locations (it was fitted on every row).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .cauchy import nll
+
+__all__ = ["ValueLearning", "ValueLearner", "LearningRows", "LearningRecord"]
+
+
+@dataclass(frozen=True)
+class ValueLearning:
+    """Settings of the read-out's training from its start (`CausalQwenTrainer(value_learning=...)`, the CLI's
+    `--value-learning-rate` and `--value-learning-batch`).
+
+    Args:
+        learning_rate: Adam's rate in the whitened coordinates (a step moves a prediction by about this, in the
+            head's space, per unit of a standardised feature).
+        batch_rows: rows of each step, drawn from the training rows by a generator of its own.
+        seed: that generator's seed.
+    """
+
+    learning_rate: float = 3e-3
+    batch_rows: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.learning_rate, (int, float)) and math.isfinite(self.learning_rate)
+                and self.learning_rate > 0):
+            raise ValueError(f"learning_rate must be a positive finite number, got {self.learning_rate!r}")
+        if not isinstance(self.batch_rows, int) or isinstance(self.batch_rows, bool) or self.batch_rows < 1:
+            raise ValueError(f"batch_rows must be a positive int, got {self.batch_rows!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise TypeError(f"seed must be an int, got {self.seed!r}")
+
+
+@dataclass(frozen=True)
+class LearningRows:
+    """The value rows as the model reads them, float64 on the CPU: loc_U `x` `[N, C]`, the spread's input
+    scale_U' `s` `[N, C]`, the path's read at each row (π_0 `linear_weight`, m `offset`, ρ `width`, `[N]` each; 1, 0
+    and 1 without the path), the targets `y` `[N]` in the head's space, and which rows are held out `held` `[N]`."""
+
+    x: torch.Tensor
+    s: torch.Tensor
+    linear_weight: torch.Tensor
+    offset: torch.Tensor
+    width: torch.Tensor
+    y: torch.Tensor
+    held: torch.Tensor
+
+
+@dataclass
+class LearningRecord:
+    """What the learner did: the held-out median absolute error (head space) of the start and of the best state, the
+    step that state is from (0: the start's), and the held-out error at each step (the curve)."""
+
+    start_error: float
+    best_error: float
+    best_step: int = 0
+    curve: list[tuple[int, float]] = field(default_factory=list)
+
+
+class ValueLearner:
+    """Trains `w_reg`, `b_reg` of `action` on `rows` in whitened coordinates (module docstring) and writes the best
+    held-out state into the model. `penalty` is the ridge penalty of the start (on standardised features)."""
+
+    def __init__(self, action, rows: LearningRows, settings: ValueLearning, penalty: float,
+                 start_locations: torch.Tensor | None = None):
+        self.action, self.rows, self.settings = action, rows, settings
+        head = action.reg_head
+        self.w0 = head.weight.detach().double().cpu()[0].clone()
+        self.b0 = float(head.bias.detach())
+        self.noise = float(action.reg_log_noise.detach().exp()) if action.reg_log_noise is not None else 0.0
+        fitted = rows.x[~rows.held]
+        self.mean, self.std = fitted.mean(0), fitted.std(0).clamp(min=1e-6)
+        standard = (fitted - self.mean) / self.std
+        n = max(len(fitted), 1)
+        eigenvalues, vectors = torch.linalg.eigh(standard.T @ standard / n)
+        eigenvalues = eigenvalues.clamp(min=0.0) + penalty / n
+        self.whiten = (vectors / eigenvalues.sqrt()) @ vectors.T  # Σ^-1/2, symmetric
+        self.features = ((rows.x - self.mean) / self.std) @ self.whiten  # [N, C], whitened
+        self.v = torch.zeros(rows.x.shape[1], dtype=torch.float64, requires_grad=True)
+        self.delta = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+        self.optimizer = torch.optim.Adam([self.v, self.delta], lr=settings.learning_rate)
+        self.generator = torch.Generator().manual_seed(settings.seed)
+        self.fitted_rows = (~rows.held).nonzero().flatten()
+        self.steps = 0
+        start = self._held_out_error(start_locations)
+        self.record = LearningRecord(start_error=start, best_error=start)
+        self.record.curve.append((0, start))
+
+    def _locations(self, rows: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loc_Y, scale_Y) at `rows` for the current (v, δ), as the model's formula gives them."""
+        r = self.rows
+        shift = (self.whiten @ self.v) / self.std
+        linear = r.x[rows] @ (self.w0 + shift) + (self.b0 + self.delta - (shift * self.mean).sum())
+        spread = r.s[rows] @ (self.w0 + shift).abs()
+        loc = r.linear_weight[rows] * linear + r.offset[rows]
+        scale = r.linear_weight[rows] * spread + self.noise * r.width[rows]
+        return loc, scale.clamp(min=self.action.scale_min)
+
+    def _held_out_error(self, locations: torch.Tensor | None = None) -> float:
+        held = self.rows.held
+        if not bool(held.any()):
+            return math.inf
+        if locations is None:
+            with torch.no_grad():
+                locations, _ = self._locations(held)
+        else:
+            locations = locations[held]
+        return float((locations - self.rows.y[held]).abs().median())
+
+    def step(self) -> float:
+        """One step of Adam on a batch of the training rows; writes the state into the model where it is the best
+        held-out so far. Returns the held-out error."""
+        if len(self.fitted_rows) == 0:
+            return self.record.best_error
+        pick = torch.randint(len(self.fitted_rows), (min(self.settings.batch_rows, len(self.fitted_rows)),),
+                             generator=self.generator)
+        rows = self.fitted_rows[pick]
+        with torch.enable_grad():
+            self.optimizer.zero_grad()
+            loc, scale = self._locations(rows)
+            loss = nll(self.rows.y[rows], loc, scale).mean()
+            loss.backward()
+            self.optimizer.step()
+        self.steps += 1
+        error = self._held_out_error()
+        self.record.curve.append((self.steps, error))
+        if error < self.record.best_error:
+            self.record.best_error, self.record.best_step = error, self.steps
+            self._write()
+        return error
+
+    @torch.no_grad()
+    def _write(self) -> None:
+        shift = (self.whiten @ self.v) / self.std
+        head = self.action.reg_head
+        head.weight.copy_((self.w0 + shift).to(head.weight)[None])
+        head.bias.fill_(self.b0 + float(self.delta.detach()) - float((shift * self.mean).sum()))

@@ -1,0 +1,209 @@
+"""The value side learns from its start (docs/design.md §7b): the read-out's whitened gradient steps against an
+independent float64 computation, the held-out guard, order-insensitive starts, the global random state, the settings
+object, and the value a prompt asks for next."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+from test_keep_start import args, eval_forward, fresh, keyed
+
+from causal_qwen import CausalQwenForCausalLM, CausalQwenTokenizer
+from causal_qwen.data.collator import CausalQwenDataCollator
+from causal_qwen.starts import fit_value_head
+from causal_qwen.training import CausalQwenTrainer
+from causal_qwen.value_learning import LearningRows, ValueLearner, ValueLearning
+
+
+class _Action:
+    """The two parameters of the value head the learner writes, and what it reads of the action network."""
+
+    def __init__(self, w: torch.Tensor, b: float, noise: float):
+        self.reg_head = torch.nn.Linear(len(w), 1).double()
+        with torch.no_grad():
+            self.reg_head.weight.copy_(w[None])
+            self.reg_head.bias.fill_(b)
+        self.reg_log_noise = torch.tensor([math.log(noise)], dtype=torch.float64)
+        self.scale_min = 1e-6
+
+
+def _rows(n: int = 40, c: int = 5, seed: int = 0) -> LearningRows:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, c, generator=g, dtype=torch.float64) * torch.tensor([1.0, 10.0, 0.1, 3.0, 100.0])[:c]
+    s = torch.rand(n, c, generator=g, dtype=torch.float64) * 1e-3
+    linear = torch.rand(n, generator=g, dtype=torch.float64)
+    offset = torch.randn(n, generator=g, dtype=torch.float64)
+    width = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
+    y = torch.randn(n, generator=g, dtype=torch.float64) * 2
+    held = torch.arange(n) % 5 == 0
+    return LearningRows(x, s, linear, offset, width, y, held)
+
+
+def _numpy_step(rows: LearningRows, w0: np.ndarray, b0: float, noise: float, penalty: float, picks: np.ndarray,
+                lr: float) -> tuple[np.ndarray, float]:
+    """Adam's first step on (v, δ) from 0, in float64 numpy: −lr·g/(|g| + ε) for the gradient g of the mean Cauchy
+    NLL over `picks` (Adam's bias-corrected moments are g and g² at its first step)."""
+    x, s = rows.x.numpy(), rows.s.numpy()
+    fitted = x[~rows.held.numpy()]
+    mean, std = fitted.mean(0), np.maximum(fitted.std(0, ddof=1), 1e-6)
+    a = (fitted - mean) / std
+    cov = a.T @ a / len(fitted) + penalty / len(fitted) * np.eye(x.shape[1])
+    values, vectors = np.linalg.eigh(cov)
+    whiten = vectors @ np.diag(values ** -0.5) @ vectors.T
+    grad_v, grad_d = np.zeros(x.shape[1]), 0.0
+    for i in picks:
+        pi0, m, rho, y = (float(t[i]) for t in (rows.linear_weight, rows.offset, rows.width, rows.y))
+        loc = pi0 * (x[i] @ w0 + b0) + m
+        scale = pi0 * (s[i] @ np.abs(w0)) + noise * rho
+        r = (y - loc) / scale
+        d_loc = -2 * r / (scale * (1 + r * r))
+        d_scale = 1 / scale - 2 * r * r / (scale * (1 + r * r))
+        grad_v += d_loc * pi0 * (whiten @ ((x[i] - mean) / std)) + d_scale * pi0 * (whiten @ (np.sign(w0) * s[i] / std))
+        grad_d += d_loc * pi0
+    grad_v, grad_d = grad_v / len(picks), grad_d / len(picks)
+    v, d = -lr * grad_v / (np.abs(grad_v) + 1e-8), -lr * grad_d / (abs(grad_d) + 1e-8)
+    shift = whiten @ v / std
+    return w0 + shift, b0 + d - float(shift @ mean)
+
+
+def test_a_step_of_the_learner_is_the_independent_float64_update():
+    rows = _rows()
+    w0 = torch.tensor([0.5, -0.02, 3.0, 0.1, 0.004], dtype=torch.float64)
+    action = _Action(w0, 1.5, 0.7)
+    settings = ValueLearning(learning_rate=1e-2, batch_rows=16, seed=3)
+    learner = ValueLearner(action, rows, settings, penalty=2.0)
+    fitted = (~rows.held).nonzero().flatten()
+    picks = fitted[torch.randint(len(fitted), (16,), generator=torch.Generator().manual_seed(3))].numpy()
+    expected_w, expected_b = _numpy_step(rows, w0.numpy(), 1.5, 0.7, 2.0, picks, 1e-2)
+    learner.step()
+    learner._write()  # the state of this step, whether or not it is the best held out
+    np.testing.assert_allclose(action.reg_head.weight.detach().numpy()[0], expected_w, rtol=1e-9, atol=1e-12)
+    assert float(action.reg_head.bias.detach()) == pytest.approx(expected_b, rel=1e-9, abs=1e-12)
+
+
+def test_the_guard_keeps_the_best_state_when_training_diverges():
+    rows = _rows(n=60)
+    w0 = torch.tensor([0.5, -0.02, 3.0, 0.1, 0.004], dtype=torch.float64)
+    action = _Action(w0, 1.5, 0.7)
+    learner = ValueLearner(action, rows, ValueLearning(learning_rate=50.0), penalty=1.0)
+    written = {}
+    for _ in range(30):
+        learner.step()
+        if learner.record.best_step == learner.steps:
+            written = {"w": action.reg_head.weight.detach().clone(), "b": float(action.reg_head.bias)}
+    errors = [error for _, error in learner.record.curve]
+    assert max(errors) > 10 * errors[0]  # it diverged
+    assert learner.record.best_error == min(errors) <= errors[0]
+    if learner.record.best_step == 0:  # nothing beat the start: the start is what the model holds
+        torch.testing.assert_close(action.reg_head.weight[0].detach(), w0)
+    else:
+        torch.testing.assert_close(action.reg_head.weight.detach(), written["w"])
+    # What the model holds scores the best held-out error, computed here from its weights.
+    w, b = action.reg_head.weight.detach()[0], float(action.reg_head.bias)
+    held = rows.held
+    loc = rows.linear_weight[held] * (rows.x[held] @ w + b) + rows.offset[held]
+    assert float((loc - rows.y[held]).abs().median()) == pytest.approx(learner.record.best_error, rel=1e-9)
+
+
+def test_settings_are_frozen_and_checked():
+    settings = ValueLearning()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.learning_rate = 1.0
+    for bad in ({"learning_rate": 0.0}, {"learning_rate": math.nan}, {"batch_rows": 0}, {"batch_rows": 1.5}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ValueLearning(**bad)
+    with pytest.raises(TypeError, match="seed"):
+        ValueLearning(seed="0")
+
+
+@pytest.mark.parametrize("context_values", [False, True])
+def test_training_with_the_defaults_trains_the_readout_and_never_ends_worse(tiny_qwen, tmp_path, context_values):
+    train, held_out = keyed(256, seed=1), keyed(128, seed=2)
+    model = fresh(tiny_qwen, context_values=context_values)
+    trainer = CausalQwenTrainer(model=model, args=args(tmp_path, 40), train_dataset=train,
+                                data_collator=CausalQwenDataCollator(0))
+    start = {}
+
+    class Start(__import__("transformers").TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if not start:
+                start["w"] = model.action.reg_head.weight.detach().clone()
+                out, where, y = eval_forward(model, held_out)
+                start["error"] = float((out.loc_Y[:, :-1][where].double() - y).abs().median())
+
+    trainer.add_callback(Start())
+    trainer.train()
+    record = trainer.value_head_start.learner.record
+    assert record.best_step > 0 and record.best_error < record.start_error  # it learnt on the held-out fifth
+    assert not torch.equal(model.action.reg_head.weight, start["w"])
+    out, where, y = eval_forward(model, held_out)
+    error = float((out.loc_Y[:, :-1][where].double() - y).abs().median())
+    assert error < start["error"]  # and on texts it never saw
+
+
+def _orders(data: list[dict]) -> tuple[list[dict], list[dict]]:
+    return data, data[::-1]
+
+
+def test_the_same_data_in_two_orders_gives_the_same_start(tiny_qwen):
+    data = keyed(200, seed=4)
+    fits = []
+    for order in _orders(data):
+        model = fresh(tiny_qwen, context_values=True)
+        collate = CausalQwenDataCollator(0)
+        fit_value_head(model, [collate(order[i:i + 8]) for i in range(0, len(order), 8)], context_starts=1)
+        fits.append({name: p.detach().clone() for name, p in model.named_parameters()
+                     if name.startswith(("action.reg_head", "abduction.context_values"))})
+    for name in fits[0]:
+        torch.testing.assert_close(fits[0][name], fits[1][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_the_start_leaves_the_global_random_state(tiny_qwen):
+    model = fresh(tiny_qwen, context_values=True)
+    collate = CausalQwenDataCollator(0)
+    data = keyed(64, seed=5)
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    fit_value_head(model, [collate(data[i:i + 8]) for i in range(0, len(data), 8)], context_starts=1)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.slow
+def test_the_next_value_reads_after_the_separator_the_model_writes(qwen25_dir):
+    """With the real tokenizer: where standard mode's next token at the prompt's end is a space, the value is read
+    after it, so a prompt without its trailing space gives the value of the prompt with it; where the next token is
+    not <NUM>, a warning says so."""
+    from conftest import tiny_qwen2_config
+    from transformers import Qwen2ForCausalLM
+
+    tokenizer = CausalQwenTokenizer.from_pretrained(qwen25_dir)
+    torch.manual_seed(0)
+    qwen = Qwen2ForCausalLM(tiny_qwen2_config(vocab_size=151936)).eval()
+    num_id = tokenizer.convert_tokens_to_ids("<NUM>")
+    model = CausalQwenForCausalLM.from_qwen(qwen, tokenizer=tokenizer, context_values=False).eval()
+    space = tokenizer(" ", add_special_tokens=False)["input_ids"]
+    assert len(space) == 1
+    with torch.no_grad():
+        model.action.cls_head.bias[space[0]] = 1e3  # standard mode writes a space everywhere
+    with pytest.warns(UserWarning, match="not <NUM>"):
+        bare, spaced = model.next_value(tokenizer, ["The car weighs 2300 pounds and gets",
+                                                    "The car weighs 2300 pounds and gets "])
+    assert bare.separator == " " and spaced.separator == ""
+    assert bare.median == spaced.median and bare.intervals == spaced.intervals
+    assert not bare.writes_number
+    with torch.no_grad():
+        model.action.cls_head.bias[num_id] = 2e3  # now <NUM> comes first
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (value,) = model.next_value(tokenizer, "The car weighs 2300 pounds and gets ", levels=0.9)
+    assert value.writes_number and value.separator == ""
+    low, high = value.intervals[0.9]
+    assert low <= value.median <= high
+    with pytest.raises(ValueError, match="levels"):
+        model.next_value(tokenizer, "x", levels=(1.5,))
+    with pytest.raises(ValueError, match=r"prompts\[0\]"):
+        model.next_value(tokenizer, [""])
