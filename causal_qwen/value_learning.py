@@ -37,13 +37,13 @@ class ValueLearning:
     `--value-learning-rate` and `--value-learning-batch`).
 
     Args:
-        learning_rate: Adam's rate in the whitened coordinates (a step moves a prediction by about this, in the
-            head's space, per unit of a standardised feature).
+        learning_rate: how far a step of Adam moves a prediction, about, in the head's space (each of the C whitened
+            coordinates moves by this over √C, the bias by this).
         batch_rows: rows of each step, drawn from the training rows by a generator of its own.
         seed: that generator's seed.
     """
 
-    learning_rate: float = 3e-3
+    learning_rate: float = 1e-2
     batch_rows: int = 256
     seed: int = 0
 
@@ -89,6 +89,9 @@ class ValueLearner:
 
     def __init__(self, action, rows: LearningRows, settings: ValueLearning, penalty: float,
                  start_locations: torch.Tensor | None = None):
+        """`start_locations` `[N]`: the start's locations as it predicts rows it did not see, where it was fitted on
+        every row (a start from data); None: the model as it is is the start (a checkpoint on new data), and the
+        learner starts from its read-out."""
         self.action, self.rows, self.settings = action, rows, settings
         head = action.reg_head
         self.w0 = head.weight.detach().double().cpu()[0].clone()
@@ -104,7 +107,21 @@ class ValueLearner:
         self.features = ((rows.x - self.mean) / self.std) @ self.whiten  # [N, C], whitened
         self.v = torch.zeros(rows.x.shape[1], dtype=torch.float64, requires_grad=True)
         self.delta = torch.zeros(1, dtype=torch.float64, requires_grad=True)
-        self.optimizer = torch.optim.Adam([self.v, self.delta], lr=settings.learning_rate)
+        if start_locations is not None:
+            # The start was fitted on every row, the held-out ones too: its own locations there are in-sample, and a
+            # state a step away would score as well as they do. The learner starts instead from the same ridge on the
+            # training rows alone (in the whitened coordinates: v = Σ^-1/2·aᵀ(y − ȳ)/N), and the start is scored by
+            # its leave-one-out locations (`start_locations`), so both are scored on rows they did not see.
+            with torch.no_grad():
+                y = rows.y[~rows.held]
+                self.v += self.whiten @ (standard.T @ (y - y.mean())) / n
+                self.w0.zero_()
+                self.b0 = float(y.mean())
+                self.delta.zero_()
+        # Adam moves each whitened coordinate by about its rate per step, and a prediction by the sum of C such
+        # moves of random sign: ~rate·√C. The rate is per prediction, so each coordinate's is rate/√C.
+        self.optimizer = torch.optim.Adam([{"params": [self.v], "lr": settings.learning_rate / math.sqrt(len(self.v))},
+                                           {"params": [self.delta], "lr": settings.learning_rate}])
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.fitted_rows = (~rows.held).nonzero().flatten()
         self.steps = 0

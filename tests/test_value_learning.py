@@ -63,7 +63,8 @@ def _numpy_step(rows: LearningRows, w0: np.ndarray, b0: float, noise: float, pen
         grad_v += d_loc * pi0 * (whiten @ ((x[i] - mean) / std)) + d_scale * pi0 * (whiten @ (np.sign(w0) * s[i] / std))
         grad_d += d_loc * pi0
     grad_v, grad_d = grad_v / len(picks), grad_d / len(picks)
-    v, d = -lr * grad_v / (np.abs(grad_v) + 1e-8), -lr * grad_d / (abs(grad_d) + 1e-8)
+    rate = lr / math.sqrt(len(grad_v))  # per whitened coordinate: a prediction moves by about lr
+    v, d = -rate * grad_v / (np.abs(grad_v) + 1e-8), -lr * grad_d / (abs(grad_d) + 1e-8)
     shift = whiten @ v / std
     return w0 + shift, b0 + d - float(shift @ mean)
 
