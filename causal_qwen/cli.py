@@ -110,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="value rows the start reads (and the read-out trains on), a seeded sample of the "
                             "training data when it holds more (default: %(default)s)")
 
+    value = commands.add_parser("value", help="the value each prompt asks for next, with its intervals",
+                                description="Print the median and the 50%% and 90%% intervals of the number each "
+                                            "PROMPT asks for next (model.next_value).")
+    value.add_argument("model", help="CausalQwen folder")
+    value.add_argument("prompt", nargs="+", help="one or more prompts, each ending where its number would start")
+
     evaluate = commands.add_parser("eval", help="metrics table and plots",
                                    description="Evaluate every metric (docs/design.md §6) and write PNG plots.")
     evaluate.add_argument("model", help="CausalQwen folder")
@@ -140,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_arguments(parser, args)
-    run = {"convert": run_convert, "generate": run_generate, "train": run_train, "eval": run_eval}[args.command]
+    run = {"convert": run_convert, "generate": run_generate, "value": run_value, "train": run_train,
+           "eval": run_eval}[args.command]
     with quiet_weight_bars():
         return run(args)
 
@@ -166,11 +173,40 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parse_overrides(args.overrides)
         except ValueError as error:
             parser.error(f"argument --set: {error}")
+        if _looks_local(args.source) and not Path(args.source).expanduser().is_dir():
+            parser.error(f"argument source: no such folder: {args.source}")
+    else:
+        _check_model_folder(parser, args.model)
+    data = getattr(args, "data", "corpus")
+    if data != "corpus" and not Path(data).expanduser().is_file():
+        parser.error(f"argument --data: no such file: {data}")
     elif args.command == "generate":
         _check_generate(parser, args)
     elif args.command == "train" and args.eval_steps is not None and args.eval_steps > args.max_steps:
         parser.error(f"argument --eval-steps: {args.eval_steps} exceeds --max-steps {args.max_steps}, so no "
                      "evaluation would run (0 turns evaluation off)")
+
+
+def _looks_local(name: str) -> bool:
+    """Whether `name` is a path on this machine rather than a hub id (`owner/name`)."""
+    return name.startswith((".", "/", "~")) or Path(name).exists() or name.count("/") != 1
+
+
+def _check_model_folder(parser: argparse.ArgumentParser, folder: str) -> None:
+    """A CausalQwen folder (its config's `model_type`), said in one line before anything loads."""
+    config = Path(folder).expanduser() / "config.json"
+    if not Path(folder).expanduser().is_dir():
+        parser.error(f"argument model: no such folder: {folder}")
+    if not config.is_file():
+        parser.error(f"argument model: {folder} has no config.json (a CausalQwen folder is what `causal-qwen convert` "
+                     "writes)")
+    try:
+        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError) as error:
+        parser.error(f"argument model: cannot read {config}: {error}")
+    if model_type != "causal_qwen":
+        parser.error(f"argument model: {folder} holds a {model_type!r} checkpoint, not a CausalQwen one: convert it "
+                     f"first with `causal-qwen convert {folder} OUTPUT`")
 
 
 def _check_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -256,6 +292,22 @@ def _load(path: str):
     return model, tokenizer
 
 
+def run_value(args) -> int:
+    import warnings
+
+    model, tokenizer = _load(args.model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        values = model.next_value(tokenizer, args.prompt)
+    for prompt, value in zip(args.prompt, values, strict=True):
+        (low50, high50), (low90, high90) = value.intervals[0.5], value.intervals[0.9]
+        note = "" if value.writes_number else "  (the model's next token here is not <NUM>)"
+        print(f"{prompt}{value.separator}{value.median:.6g}  50% [{low50:.6g}, {high50:.6g}]  "
+              f"90% [{low90:.6g}, {high90:.6g}]{note}")
+    del caught  # said per prompt above
+    return 0
+
+
 def run_generate(args) -> int:
     import torch
 
@@ -324,7 +376,7 @@ def _has_accelerator() -> bool:
 
 def _value_learning(args):
     """The read-out's training settings of `--value-learning` and `--value-learning-rate` (None: off)."""
-    from .value_learning import ValueLearning
+    from .starts import ValueLearning
 
     if not args.value_learning:
         return None

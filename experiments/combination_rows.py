@@ -32,8 +32,8 @@ import run_experiment as experiment  # noqa: E402
 
 from causal_qwen import CausalQwenTokenizer  # noqa: E402
 from causal_qwen.cauchy import untransform_values  # noqa: E402
-from causal_qwen.context_start import _coordinates  # noqa: E402
 from causal_qwen.context_values import log_of_values  # noqa: E402
+from causal_qwen.starts.path import _coordinates  # noqa: E402
 
 
 def principal(points: torch.Tensor, dims: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,11 +41,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_experiment as experiment  # noqa: E402
 
-from causal_qwen import CausalQwenTokenizer, context_start  # noqa: E402
-from causal_qwen import starts as starts_module  # noqa: E402
+from causal_qwen import CausalQwenTokenizer  # noqa
 from causal_qwen.context_values import CausalQwenContextValues  # noqa: E402
 from causal_qwen.data import CausalQwenDataCollator, template_baselines, tokenize_examples  # noqa: E402
 from causal_qwen.starts import fit_value_head  # noqa: E402
+from causal_qwen.starts import path as context_start  # noqa: E402
+from causal_qwen.starts import readout as starts_module  # noqa: E402
 
 SPLITS = ("test", "real_test", "extrapolation")
 

@@ -36,7 +36,7 @@ import run_experiment as experiment  # noqa: E402
 
 from causal_qwen import CausalQwenConfig, CausalQwenTokenizer  # noqa: E402
 from causal_qwen.cauchy import untransform_values  # noqa: E402
-from causal_qwen.context_start import _DIMS, _HELD_OUT_EVERY, _coordinates  # noqa: E402
+from causal_qwen.starts.path import _DIMS, _HELD_OUT_EVERY, _coordinates  # noqa: E402
 
 TEMPLATE = "unit_conversion"
 FORMS = [("bilinear", d) for d in (4, 16, 32, 64)] + [("query", d) for d in (16, 64, 896)]

@@ -63,9 +63,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_experiment as experiment  # noqa: E402
 
 from causal_qwen import CausalQwenTokenizer  # noqa: E402
-from causal_qwen import starts as starts_module  # noqa: E402
 from causal_qwen.data import CausalQwenDataCollator, NumericExample, real_splits, tokenize_examples  # noqa: E402
 from causal_qwen.labels import next_token_targets  # noqa: E402
+from causal_qwen.starts import readout as starts_module  # noqa: E402
 from causal_qwen.starts import refit_value_readout  # noqa: E402
 from causal_qwen.training import LEARNING_RATE_SCALES, CausalQwenTrainer  # noqa: E402
 
@@ -330,7 +330,7 @@ def main() -> None:
     if args.path_off:
         config["context_values"] = False
     if args.calibration_dims is not None:  # a variant of the library's start: the widths' map reads more coordinates
-        from causal_qwen import context_start
+        from causal_qwen.starts import path as context_start
 
         context_start._CALIBRATION_DIMS, context_start._ROWS_PER_WIDTH_DIM = args.calibration_dims, 1
     profile = experiment.PROFILES["tiny" if args.tiny else "cpu"]

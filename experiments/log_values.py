@@ -21,8 +21,9 @@ import numpy as np
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from causal_qwen import CausalQwenForCausalLM, context_start
+from causal_qwen import CausalQwenForCausalLM
 from causal_qwen.starts import fit_value_head
+from causal_qwen.starts import path as context_start
 
 NUM = 120
 

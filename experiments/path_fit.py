@@ -66,8 +66,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_experiment as experiment  # noqa: E402
 
-from causal_qwen import CausalQwenForCausalLM, CausalQwenTokenizer, cauchy, context_start  # noqa: E402
-from causal_qwen.context_start import ContextRows  # noqa: E402
+from causal_qwen import CausalQwenForCausalLM, CausalQwenTokenizer, cauchy  # noqa: E402
 from causal_qwen.context_values import entry_values  # noqa: E402
 from causal_qwen.data import (  # noqa: E402
     CausalQwenDataCollator,
@@ -77,6 +76,8 @@ from causal_qwen.data import (  # noqa: E402
     tokenize_examples,
 )
 from causal_qwen.starts import PENALTIES, _read_rows_in_eval, _ridge, _write_readout  # noqa: E402
+from causal_qwen.starts import path as context_start  # noqa: E402
+from causal_qwen.starts.path import ContextRows  # noqa: E402
 
 SPLITS = ("test", "real_test", "extrapolation")
 

@@ -527,7 +527,7 @@ def test_the_start_from_data_fits_the_path_to_copy(tiny_qwen, monkeypatch):
     # as the start does; and the copies stay. (Its widths are left as fitted here, neither fitted again on the
     # read-out's leave-one-out locations nor calibrated, so that the NLL it measured is that of the path it writes,
     # which the next refit reads back below.)
-    from causal_qwen import context_start
+    from causal_qwen.starts import path as context_start
 
     monkeypatch.setattr(context_start, "_WIDTHS_READ_UNSEEN", False)
     monkeypatch.setattr(context_start, "_calibrate_width", lambda *args: (
@@ -562,8 +562,9 @@ def test_the_rows_of_copies_are_fitted_again_at_other_scales(transform, monkeypa
     """`_with_scaled_copies` against the rows built one by one: a row joins once per scale exactly where its target is
     within 2% of an earlier present number, with the earlier values and the target times the scale, everything else
     as it was."""
-    from causal_qwen import cauchy, context_start
-    from causal_qwen.context_start import _Rows, _with_scaled_copies
+    from causal_qwen import cauchy
+    from causal_qwen.starts import path as context_start
+    from causal_qwen.starts.path import _Rows, _with_scaled_copies
 
     monkeypatch.setattr(context_start, "_SCALES", (0.01, 100.0))
     values = torch.tensor([[5.0, 100.0], [5.0, 0.0], [3.0, 0.0], [0.0, 0.0], [-8.0, 2.0], [7.0, 0.0]],
@@ -635,8 +636,8 @@ def test_the_starts_fit_reads_only_the_context_slots_some_row_fills():
     """The start's rows keep 16 slots of earlier numbers, filled from the first; the fit drops the slots no row fills.
     They weigh exactly 0: the value and the gradient of every parameter of a random path are the same over the rows
     padded with four empty slots as over the filled two."""
-    from causal_qwen.context_start import _Rows, _value
     from causal_qwen.context_values import entry_values
+    from causal_qwen.starts.path import _Rows, _value
 
     g = torch.Generator().manual_seed(5)
     n, dims, slots = 40, 8, 6
@@ -675,7 +676,7 @@ def _read_rows(path, rows, n: int):
 def _random_rows(values: torch.Tensor, hidden: int, generator: torch.Generator):
     """Start rows (`context_start.ContextRows`) with every slot filled by `values` `[N, K]`, and random queries and keys
     drawn row by row from `generator`."""
-    from causal_qwen.context_start import ContextRows
+    from causal_qwen.starts.path import ContextRows
 
     rows = ContextRows()
     for row in values:
@@ -688,7 +689,7 @@ def _random_rows(values: torch.Tensor, hidden: int, generator: torch.Generator):
 
 def _rows_without_numbers(queries: torch.Tensor):
     """The path's start rows of queries `[N, H]` with no earlier number (two empty slots each)."""
-    from causal_qwen.context_start import ContextRows
+    from causal_qwen.starts.path import ContextRows
 
     rows = ContextRows()
     for query in queries:
@@ -706,7 +707,7 @@ def test_the_widths_are_calibrated_on_the_readouts_leave_one_out_residuals(model
     the value to the read-out (π_0 = 1, ρ = exp(shift)), and its shift then has a closed check: the float64 minimiser,
     found on a fine grid, of the Cauchy NLL of those residuals on every fifth row plus the calibration's ridge
     10⁻²·shift² (docs/math.md)."""
-    from causal_qwen.context_start import fit_context_values
+    from causal_qwen.starts.path import fit_context_values
 
     g = torch.Generator().manual_seed(3)
     n, hidden = 100, model.config.hidden_size
@@ -791,7 +792,7 @@ def test_the_widths_calibration_reads_the_input(model):
     noise of scales 0.05 and 0.5: the calibrated interval of each kind has the scale of its own noise (the Cauchy
     NLL's minimiser), not one width between them. Rows without an earlier number leave the value to the read-out, so
     the scale of the value is |w_reg|·scale_U' + γ_Y·ρ, which the check computes from the written path in float64."""
-    from causal_qwen.context_start import fit_context_values
+    from causal_qwen.starts.path import fit_context_values
 
     g = torch.Generator().manual_seed(5)
     n, hidden = 1000, model.config.hidden_size
@@ -827,10 +828,10 @@ def test_a_path_is_kept_only_where_it_beats_the_read_out_on_the_rows_as_read(mod
     the number 1.5 away in symlog. The candidate fit is a path that always copies (its choice scores 40 below the
     copy's). Its held-out NLL with the scaled rows is below the read-out's in both cases; with a copy in one run of
     five it is worse on the rows as read and the start keeps the read-out, with copies everywhere it is kept."""
-    from causal_qwen import context_start
     from causal_qwen.cauchy import symexp, symlog
-    from causal_qwen.context_start import fit_context_values, held_out_rows
     from causal_qwen.context_values import LINEAR_ONLY_SCORE
+    from causal_qwen.starts import path as context_start
+    from causal_qwen.starts.path import fit_context_values, held_out_rows
 
     g = torch.Generator().manual_seed(11)
     n, hidden = 200, model.config.hidden_size
@@ -955,7 +956,7 @@ def test_the_start_chooses_the_mean_where_the_target_is_the_mean(model):
     that the written path computes (loc_Y, in float64 from the path's read), and at the others the mean's share of
     the choice is below 1%."""
     from causal_qwen.cauchy import symexp, symlog
-    from causal_qwen.context_start import ContextRows, fit_context_values
+    from causal_qwen.starts.path import ContextRows, fit_context_values
 
     g = torch.Generator().manual_seed(3)
     hidden, action = model.config.hidden_size, model.action
@@ -1001,8 +1002,8 @@ def test_the_fit_of_the_mean_keeps_its_share_in_a_blend_and_makes_the_averages_e
     value within 1% of the mean), keeps its share in the blend within 0.05 of the half it had, and leaves it under
     0.01 at the read-out's rows."""
     from causal_qwen.cauchy import symexp, symlog
-    from causal_qwen.context_start import _fit_choice, _Rows
     from causal_qwen.context_values import CausalQwenContextValues, entry_values
+    from causal_qwen.starts.path import _fit_choice, _Rows
 
     g = torch.Generator().manual_seed(5)
     dims, kinds = 4, torch.arange(300) % 3  # 0: the mean is the target, 1: the blend, 2: the read-out
@@ -1059,7 +1060,7 @@ def test_the_start_leaves_the_copies_where_the_target_repeats_one_of_several_num
     (loc_Y, in float64 from the path's read): the mean where it is the target, and the copy where the target repeats
     one of the numbers, where the mean's score is fitted to stay low (the mean is not the target there)."""
     from causal_qwen.cauchy import symexp, symlog
-    from causal_qwen.context_start import ContextRows, fit_context_values
+    from causal_qwen.starts.path import ContextRows, fit_context_values
 
     g = torch.Generator().manual_seed(3)
     hidden, action = model.config.hidden_size, model.action
@@ -1184,8 +1185,8 @@ def test_the_start_switches_off_the_candidates_it_does_not_use(tiny_qwen, monkey
     """Where the target repeats a stated number, the start copies it and switches the combinations off: their share is
     exactly 0 at every position, however far its features lie from the rows, so a combination's unbounded value
     cannot move the location there. The same fit without the switch leaves them a share there."""
-    from causal_qwen import context_start
     from causal_qwen.starts import fit_value_head
+    from causal_qwen.starts import path as context_start
 
     columns = {"log": 2, "raw": 3, "mean": 4}
     shares = {}
@@ -1216,7 +1217,7 @@ def _pointer_rows(n: int, g: torch.Generator, scale: float, role: int):
     features carrying its size (its log times one direction); the target repeats the number of role `role`. Returns
     the rows and the role of each slot `[n, 4]`."""
     from causal_qwen.cauchy import symlog
-    from causal_qwen.context_start import _Rows
+    from causal_qwen.starts.path import _Rows
 
     dims, slots = 64, 4
     roles = torch.stack([torch.randperm(slots, generator=g) for _ in range(n)])
@@ -1238,7 +1239,7 @@ def test_the_start_fits_the_pointer_to_the_copied_number(role):
     """Fitted to the numbers the targets repeat (120 rows, 30 held out), the pointer puts at least 0.99 on the number
     of the asked role at every one of 200 new rows a thousand times the scale, and under 0.01 on it where another
     role is asked; its keys read the role alone, the features before each number (the copies' rows of K at 0)."""
-    from causal_qwen.context_start import _copy_scores, _fit_pointer
+    from causal_qwen.starts.path import _copy_scores, _fit_pointer
 
     g = torch.Generator().manual_seed(0)
     split = {False: _pointer_rows(120, g, 1.0, role)[0], True: _pointer_rows(30, g, 1.0, role)[0]}
@@ -1260,9 +1261,9 @@ def test_the_widths_calibration_leaves_a_coordinate_the_rows_do_not_vary_near_ze
     noise's scale follows it: the calibration gives the copies a width of 0.01 within a factor of 2 and that
     coordinate a weight of at most 1 in the width's map, where without its ridge the same fit put more than 50 there
     (a width that swings by e^±40 at an input where the coordinate moves by 1, as it does on other text)."""
-    from causal_qwen import context_start
     from causal_qwen.cauchy import symlog
-    from causal_qwen.context_start import _calibrate_width, _Rows
+    from causal_qwen.starts import path as context_start
+    from causal_qwen.starts.path import _calibrate_width, _Rows
 
     if ridge is not None:
         monkeypatch.setattr(context_start, "_CALIBRATION_RIDGE", ridge)
@@ -1305,9 +1306,9 @@ def test_a_fit_with_its_pointer_fitted_first_is_kept_over_a_better_nll(model, mo
     NLL (a fifth of the rows cannot show a split pointer). Stand-ins for the fit return the same copying path, the
     one without the pointer fitted first claiming an NLL lower by 1: the record says which was kept and gives its NLL.
     With no row telling the copies apart (`_copies_told` false) only the fit without it runs and is kept."""
-    from causal_qwen import context_start
     from causal_qwen.cauchy import symlog
-    from causal_qwen.context_start import fit_context_values
+    from causal_qwen.starts import path as context_start
+    from causal_qwen.starts.path import fit_context_values
 
     g = torch.Generator().manual_seed(12)
     n, hidden = 200, model.config.hidden_size
@@ -1347,9 +1348,9 @@ def test_the_start_keeps_the_fit_of_least_nll_on_the_rows_as_read(model, monkeyp
     first random start puts half the weight on the read-out and claims an NLL 100 below its own; that of the second
     copies. The copy is exact on every row, so its NLL as read is the lower: it is kept, and the record gives the
     NLL it claimed."""
-    from causal_qwen import context_start
     from causal_qwen.cauchy import symlog
-    from causal_qwen.context_start import fit_context_values
+    from causal_qwen.starts import path as context_start
+    from causal_qwen.starts.path import fit_context_values
 
     g = torch.Generator().manual_seed(13)
     n, hidden = 200, model.config.hidden_size
@@ -1389,7 +1390,7 @@ def test_a_fit_with_its_pointer_fitted_first_is_preferred_only_where_it_costs_no
     worse by more than `_POINTER_ELSEWHERE` (10⁻²) on the rows whose target repeats no earlier number. The NLLs per
     row are given: the plain fit's mean is 0.1 below the pointer's; on the first half of the rows (those that repeat
     no number) the pointer's is worse by `costs_elsewhere`, and None has every row repeat a number."""
-    from causal_qwen.context_start import _POINTER_ELSEWHERE, _keep
+    from causal_qwen.starts.path import _POINTER_ELSEWHERE, _keep
 
     assert _POINTER_ELSEWHERE == 1e-2
     rows = 10
@@ -1453,9 +1454,9 @@ def test_the_widths_are_fitted_on_the_readouts_leave_one_out_misses(model, monke
     Averaged over four draws of the rows: the kept fit overfits its locations by an amount that changes with the
     summation order of the machine and its threads, and one draw's coverage of a kind ranged over 0.38-0.62 (one
     draw's of 900 rows covered 0.38 with two threads and 0.50 with one), about the mean of 0.5."""
-    from causal_qwen.context_start import fit_context_values
+    from causal_qwen.starts.path import fit_context_values
 
-    monkeypatch.setattr("causal_qwen.context_start._WIDTHS_READ_UNSEEN", refit)
+    monkeypatch.setattr("causal_qwen.starts.path._WIDTHS_READ_UNSEEN", refit)
     n, hidden, action = 900, model.config.hidden_size, model.action
     channels = action.reg_head.weight.shape[1]
     w, b = action.reg_head.weight.detach().double()[0], float(action.reg_head.bias.detach())
@@ -1499,7 +1500,7 @@ def test_the_widths_are_fitted_on_the_readouts_leave_one_out_misses(model, monke
 def test_the_locations_loss_is_the_smooth_absolute_error(monkeypatch):
     """`_location_error`: the mean of √(r² + δ²) − δ with δ = 10⁻² (the mean absolute error at δ = 0), against
     Python's float arithmetic; its gradient at a residual of 0 is 0 and, far from 0, the residual's sign."""
-    from causal_qwen import context_start
+    from causal_qwen.starts import path as context_start
 
     assert context_start._LOCATION_SMOOTHING == 1e-2
     residuals = [0.0, 1e-3, -0.02, 0.5, -3.0]

@@ -346,7 +346,7 @@ def test_too_few_held_out_values_make_no_check_and_keep_the_trained_features(tin
     trainer = CausalQwenTrainer(model=model, args=args(tmp_path, 2), train_dataset=related(40, seed=1),
                                 data_collator=CausalQwenDataCollator(0), callbacks=[Scramble()],
                                 train_value_features=True)
-    with caplog.at_level("WARNING", logger="causal_qwen.training"):
+    with caplog.at_level("WARNING", logger="causal_qwen.starts.callback"):
         trainer.train()
     assert model.config.value_head_fit["context_rows"] == 80
     assert trainer.value_head_start.kept_trained_features is None
@@ -520,7 +520,7 @@ def scaled(n: int, seed: int) -> list[dict]:
 def start_reading(tiny_qwen, tmp_path, monkeypatch, train: list[dict], sampling: str) -> tuple[list, list, object]:
     """Train 2 steps with the start's cap at 40 value rows (20 texts here): the texts the start and the first refit
     read (their first three ids, in order) and the trained model."""
-    import causal_qwen.training as training
+    import causal_qwen.starts.callback as training
 
     read = []
 
@@ -599,7 +599,7 @@ def test_the_end_check_scores_a_start_by_the_nll_that_chose_its_path(as_read):
     a record saved before that field, `context_nll`; on a fifth of the rows, rounded up (every fifth held out). Without
     the path, the read-out's leave-one-out error on every row."""
     from causal_qwen.starts import ValueHeadFit
-    from causal_qwen.training import _held_out_score
+    from causal_qwen.starts.callback import _held_out_score
 
     fit = ValueHeadFit(positions=12, penalty=1.0, loo_median_abs_error=0.5, regression_noise=0.5, context_rows=12,
                        context_nll_linear=2.0, context_nll=1.0, context_nll_as_read=as_read)

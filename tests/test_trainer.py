@@ -326,7 +326,7 @@ def test_text_only_data_trains_without_the_value_head_start(model, tmp_path, cap
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, learning_rate=1e-2,
                              report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, disable_tqdm=True)
     trainer = CausalQwenTrainer(model=model, args=args, train_dataset=texts, data_collator=CausalQwenDataCollator(0))
-    with caplog.at_level("WARNING", logger="causal_qwen.training"):
+    with caplog.at_level("WARNING", logger="causal_qwen.starts.callback"):
         trainer.train()
     skipped = [r for r in caplog.records if "value head start skipped" in r.getMessage()]
     assert len(skipped) == 1 and "no position whose label is <NUM>" in skipped[0].getMessage()

@@ -179,7 +179,7 @@ def test_a_plain_qwen_tokenizer_trains_text_only(model, qwen25_dir, tmp_path, ca
     from transformers import AutoTokenizer
 
     plain = AutoTokenizer.from_pretrained(qwen25_dir)
-    with caplog.at_level("WARNING", logger="causal_qwen.training"):
+    with caplog.at_level("WARNING", logger="causal_qwen"):
         trainer = CausalQwenSFTTrainer(model=model, args=config(tmp_path, max_steps=2), processing_class=plain,
                                        train_dataset=Dataset.from_list([{"text": t} for t in TEXTS]))
         trainer.train()

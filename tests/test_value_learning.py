@@ -12,9 +12,8 @@ from test_keep_start import args, eval_forward, fresh, keyed
 
 from causal_qwen import CausalQwenForCausalLM, CausalQwenTokenizer
 from causal_qwen.data.collator import CausalQwenDataCollator
-from causal_qwen.starts import fit_value_head
+from causal_qwen.starts import LearningRows, ValueLearner, ValueLearning, fit_value_head
 from causal_qwen.training import CausalQwenTrainer
-from causal_qwen.value_learning import LearningRows, ValueLearner, ValueLearning
 
 
 class _Action:
@@ -192,7 +191,10 @@ def test_the_next_value_reads_after_the_separator_the_model_writes(qwen25_dir):
         bare, spaced = model.next_value(tokenizer, ["The car weighs 2300 pounds and gets",
                                                     "The car weighs 2300 pounds and gets "])
     assert bare.separator == " " and spaced.separator == ""
-    assert bare.median == spaced.median and bare.intervals == spaced.intervals
+    # The same tokens, read in batches of other padding: equal to float32's rounding.
+    assert bare.median == pytest.approx(spaced.median, rel=1e-5)
+    for level in (0.5, 0.9):
+        assert bare.intervals[level] == pytest.approx(spaced.intervals[level], rel=1e-5)
     assert not bare.writes_number
     with torch.no_grad():
         model.action.cls_head.bias[num_id] = 2e3  # now <NUM> comes first

@@ -40,12 +40,12 @@ from typing import TypeVar
 import torch
 from transformers.utils import logging
 
-from .cauchy import linear, transform_values
-from .checks import check_positive_finite
-from .context_start import ContextRows, fit_context_values, one_thread
-from .context_values import CausalQwenContextValues, entry_values
-from .labels import IGNORE_INDEX, next_token_targets
-from .value_learning import LearningRows
+from ..cauchy import linear, transform_values
+from ..checks import check_positive_finite
+from ..context_values import CausalQwenContextValues, entry_values
+from ..labels import IGNORE_INDEX, next_token_targets
+from .learning import LearningRows
+from .path import ContextRows, fit_context_values, one_thread
 
 __all__ = ["NotEnoughNumbersError", "ValueHeadFit", "ValueStart", "fit_value_head", "known_next_tokens",
            "num_decision_start", "read_value_rows", "refit_value_readout", "ridge_readout", "start_value_side",
@@ -71,15 +71,15 @@ class ValueHeadFit:
     """What [`fit_value_head`] did: the rows it used, the penalty it chose and the residual scale it measured; for
     the `<NUM>` decision (None when off): the labelled positions it read, how far the `<NUM>` row moved
     (‖Δw‖/‖w‖), the bias offset, and standard mode's num_f1 on those positions before and after; and for the
-    context-value path (None without it, `context_start.fit_context_values`): its rows, the held-out value NLL of
+    context-value path (None without it, `path.fit_context_values`): its rows, the held-out value NLL of
     the linear read-out alone and of the path, the step it kept (0: the linear read-out alone, or in a refit the
     path as it was) and the shift of its log-width per choice fitted on the held-out rows, the seed of the
     random start it kept, the map of the query's leading principal coordinates added to its log-width there
     (one weight per coordinate; docs/math.md), and in a refit the held-out value NLL of the path as it was, on the
     same rows (the step 0 candidate, as its widths were calibrated, which `context_nll` of the fit that wrote it
-    was measured before), and the candidates it switched off as unused (`context_start._switch_off_unused`; the
+    was measured before), and the candidates it switched off as unused (`path._switch_off_unused`; the
     NLL of the path is the fit's before that, which each switch raised by at most 10⁻³ on the held-out rows), and
-    whether the fit it kept had its pointer fitted to the copied numbers first (`context_start._fit_pointer`; None:
+    whether the fit it kept had its pointer fitted to the copied numbers first (`path._fit_pointer`; None:
     the path as it was, or none kept), and the held-out value NLL of the path on the rows as read (without the
     scaled copies of `context_nll`), which chose it (the read-out's where none was kept), and the share of the
     held-out rows where the read-out's guard (docs/design.md §1c) hands the value back to the read-out.
@@ -515,7 +515,7 @@ def refit_value_readout(
     and `config.value_head_fit` (the record of the start) are left as they are.
 
     With the context-value path (docs/design.md §1b), the path is fitted again after the read-out, as at the start
-    (`context_start.fit_context_values`): like the read-out, its small, precise weights on the backbone's features
+    (`path.fit_context_values`): like the read-out, its small, precise weights on the backbone's features
     do not survive Adam's per-coordinate steps, so training holds it out of the optimizer with the read-out. Fitting
     the read-out on every row, as the start does, rather than only where the path weighs it most, kept more of the
     start on Qwen2.5-0.5B after 12 steps (docs/experiments.md).
@@ -636,7 +636,7 @@ def fit_value_head(
         max_decision_positions: labelled positions the `<NUM>` decision is fitted on (each costs a pass of the
             `[V, C]` head).
         num_row_penalty: the ridge penalty of the `<NUM>` row's probe (see [`num_decision_start`]).
-        context_starts: random starts of the context-value path's fit (`context_start.fit_context_values`), which
+        context_starts: random starts of the context-value path's fit (`path.fit_context_values`), which
             keeps the one of least held-out NLL on the rows as read; None: three.
 
     Returns:

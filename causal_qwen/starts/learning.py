@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cauchy import nll
+from ..cauchy import nll
 
 __all__ = ["ValueLearning", "ValueLearner", "LearningRows", "LearningRecord"]
 

@@ -30,8 +30,8 @@ from typing import NamedTuple, TypeVar
 
 import torch
 
-from .cauchy import nll, transform_values, untransform_values
-from .context_values import CANDIDATES, LINEAR_ONLY_SCORE, MAX_LOG_WIDTH, CausalQwenContextValues, entry_values
+from ..cauchy import nll, transform_values, untransform_values
+from ..context_values import CANDIDATES, LINEAR_ONLY_SCORE, MAX_LOG_WIDTH, CausalQwenContextValues, entry_values
 
 __all__ = ["ContextRows", "fit_context_values", "held_out_rows", "one_thread"]
 
