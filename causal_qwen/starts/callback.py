@@ -7,6 +7,8 @@ through PEFT's `modules_to_save` wrapping, `torch.compile` and FSDP1's wrappers 
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
@@ -351,26 +353,46 @@ class ValueHeadStartCallback(TrainerCallback):
 
 
 def _start_order(dataset, args):
-    """The training data in the order the start and the refits read it, up to their `max_positions` rows.
+    """The training data in the order the start and the refits read it, up to their `max_positions` rows: the order
+    of a digest of each example's own content (its ids and values).
 
     They stop reading once the cap is in, so in the dataset's own order they would fit the head to its first examples
-    alone, which for data concatenated from several sources is one source. Unless training reads in order too
-    (`train_sampling_strategy="sequential"`), they read a random permutation drawn from a generator of their own,
-    seeded by `data_seed` (else `seed`): every refit reads the start's rows, and the random state that shuffles
-    training is left alone. A dataset without a length (a stream) is read in its own order.
+    alone, which for data concatenated from several sources is one source; a digest's order is as mixed as a random
+    one. And it is the same whatever order the dataset holds its examples in and whatever the seeds: the batches the
+    start reads, so their padding and the backbone's features to the last bit, and so the start's fit, depend on the
+    data alone (the fit of the path is not convex, and features that differed in their last bits, read in batches of
+    another composition, moved it to another minimum). The random state that shuffles training is left alone. A
+    dataset without a length (a stream) is read in its own order.
     """
-    # The tests Trainer makes itself: it samples only what has a length, and drops columns only of a datasets.Dataset.
-    if (args.train_sampling_strategy == "sequential" or not has_length(dataset)
-            or isinstance(dataset, torch.utils.data.IterableDataset)):
+    if not has_length(dataset) or isinstance(dataset, torch.utils.data.IterableDataset):
         return dataset
-    seed = args.data_seed if args.data_seed is not None else args.seed
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
+    datasets = None
     if is_datasets_available():
         import datasets
-
-        if isinstance(dataset, datasets.Dataset):
-            return dataset.select(order, keep_in_memory=True)
+    if datasets is not None and isinstance(dataset, datasets.Dataset) and "input_ids" in dataset.column_names:
+        columns = [dataset[name] for name in ("input_ids", "numeric_values") if name in dataset.column_names]
+        examples = [dict(zip(("input_ids", "numeric_values"), row, strict=False)) for row in zip(*columns, strict=True)]
+    else:
+        examples = (dataset[i] for i in range(len(dataset)))
+    keys = [_content_key(example) for example in examples]
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    if datasets is not None and isinstance(dataset, datasets.Dataset):
+        return dataset.select(order, keep_in_memory=True)
     return torch.utils.data.Subset(dataset, order)
+
+
+def _content_key(example) -> bytes:
+    """A digest of an example's ids and values (any order-free identity of its content would do)."""
+    digest = hashlib.sha256()
+    if isinstance(example, dict):
+        for name in ("input_ids", "numeric_values", "labels"):
+            value = example.get(name)
+            if value is not None:
+                digest.update(name.encode())
+                digest.update(repr(value.tolist() if isinstance(value, torch.Tensor) else list(value)).encode())
+    else:
+        digest.update(repr(example).encode())
+    return digest.digest()
 
 
 def _held_out_score(fit) -> tuple[float, int]:

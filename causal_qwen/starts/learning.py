@@ -15,8 +15,10 @@ and a step of Adam is a step of (preconditioned) gradient descent on the read-ou
 
 A guard keeps the best state: the rows the start held out (a fifth, chosen by the rows' content) never train the
 read-out; its median absolute error in the head's space there (what the evaluation's median relative error punishes)
-is measured at every step, the best state is written into the model, and a state no better than the start never
-replaces it. The start itself is scored there by its leave-one-out locations (it was fitted on every row).
+is measured at every step, and a state is written into the model only where it is lower than the best so far and no
+kind of held-out row (a cluster of their features: in practice a task) is worse than at that best by more than 0.01;
+a state no better than the start never replaces it. The start itself is scored there by its leave-one-out locations
+(it was fitted on every row).
 """
 
 from __future__ import annotations
@@ -29,6 +31,43 @@ import torch
 from ..cauchy import nll
 
 __all__ = ["ValueLearning", "ValueLearner", "LearningRows", "LearningRecord"]
+
+
+# A kind of held-out row may end at most this much worse (median |loc − y| in the head's space, about 1% of a value in
+# symlog space), or this share of its error where that is more (the median of twenty rows moves by that much between two
+# states that differ by nothing real), than at the best state so far; kinds are clusters of at least
+# `_ROWS_PER_KIND` held-out rows on average (one of fewer than half that is not checked).
+_KIND_SLACK = 0.01
+_KIND_SHARE = 0.1
+_ROWS_PER_KIND = 20
+_MAX_KINDS = 8
+
+
+def _kinds(x: torch.Tensor) -> torch.Tensor:
+    """Kinds of rows `[N]`: k-means clusters of their leading principal coordinates (k ≤ `_MAX_KINDS`, at least
+    `_ROWS_PER_KIND` rows each on average), deterministic (farthest-point start, Lloyd's iterations): the prompts of
+    different tasks lie apart there (docs/design.md §1c)."""
+    n = len(x)
+    k = max(1, min(_MAX_KINDS, n // _ROWS_PER_KIND))
+    if k == 1:
+        return torch.zeros(n, dtype=torch.long)
+    centred = (x - x.mean(0)) / x.std(0).clamp(min=1e-6)
+    _, _, vh = torch.linalg.svd(centred, full_matrices=False)
+    points = centred @ vh[:8].T
+    centres = [points[(points - points.mean(0)).norm(dim=1).argmax()]]
+    while len(centres) < k:
+        distance = torch.cdist(points, torch.stack(centres)).min(1).values
+        centres.append(points[distance.argmax()])
+    centres = torch.stack(centres)
+    for _ in range(50):
+        labels = torch.cdist(points, centres).argmin(1)
+        moved = torch.stack([points[labels == j].mean(0) if bool((labels == j).any()) else centres[j]
+                             for j in range(k)])
+        if torch.equal(moved, centres):
+            break
+        centres = moved
+    labels = torch.cdist(points, centres).argmin(1)
+    return torch.unique(labels, return_inverse=True)[1]  # kinds numbered 0..K-1, none empty
 
 
 @dataclass(frozen=True)
@@ -125,7 +164,10 @@ class ValueLearner:
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.fitted_rows = (~rows.held).nonzero().flatten()
         self.steps = 0
+        self.kinds = _kinds(rows.x[rows.held])
         start = self._held_out_error(start_locations)
+        held_start = None if start_locations is None else start_locations[rows.held]
+        self.best_by_kind = self._errors_by_kind(held_start)
         self.record = LearningRecord(start_error=start, best_error=start)
         self.record.curve.append((0, start))
 
@@ -167,10 +209,25 @@ class ValueLearner:
         self.steps += 1
         error = self._held_out_error()
         self.record.curve.append((self.steps, error))
-        if error < self.record.best_error:
+        by_kind = self._errors_by_kind()
+        # Better pooled, and no kind of held-out row worse than the best state's by more than `_KIND_SLACK`: a pooled
+        # median can fall while one task's error rises.
+        slack = (self.best_by_kind * _KIND_SHARE).clamp(min=_KIND_SLACK)
+        counted = self.kinds.bincount() >= _ROWS_PER_KIND // 2  # a kind of a few rows is its noise
+        if error < self.record.best_error and bool((by_kind <= self.best_by_kind + slack)[counted].all()):
             self.record.best_error, self.record.best_step = error, self.steps
+            self.best_by_kind = by_kind
             self._write()
         return error
+
+    @torch.no_grad()
+    def _errors_by_kind(self, held_locations: torch.Tensor | None = None) -> torch.Tensor:
+        """The median |loc − y| over the held-out rows of each kind `[K]`."""
+        if held_locations is None:
+            held_locations, _ = self._locations(self.rows.held)
+        miss = (held_locations - self.rows.y[self.rows.held]).abs()
+        return torch.stack([miss[self.kinds == k].median() for k in range(int(self.kinds.max()) + 1)]) \
+            if len(miss) else torch.zeros(0, dtype=torch.float64)
 
     @torch.no_grad()
     def _write(self) -> None:
