@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Adam's rate of the read-out's training, in whitened coordinates (default: "
                             "ValueLearning's)")
     train.add_argument("--value-start-rows", type=int, default=4096,
-                       help="value rows the start reads (and the read-out trains on), a seeded sample of the "
+                       help="value rows the start reads (and the read-out trains on), a sample of the "
                             "training data when it holds more (default: %(default)s)")
 
     value = commands.add_parser("value", help="the value each prompt asks for next, with its intervals",

@@ -169,7 +169,7 @@ class CausalQwenTrainer(Trainer):
     step of its own per optimizer step, on the value rows the start read (their features do not move while nothing
     the value reads trains), in whitened coordinates, keeping the state of least held-out error
     (`causal_qwen.starts.learning`); `None` holds the read-out at its start. `value_start_rows` is how many value
-    rows the start reads (a sample of the training set in a seeded order of its own when it holds more).
+    rows the start reads (a sample of the training set, in the order of its examples' content, when it holds more).
 
     `train_value_features=False` (the default, with the refits) also holds the features the value reads (the
     numeric embedding, the abduction network) out of the optimizer, so that with the frozen backbone the value side
