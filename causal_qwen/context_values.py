@@ -72,6 +72,8 @@ LINEAR_ONLY_SCORE = 40.0
 _MEAN_ABSENT_SCORE = -1e4
 # A log-space combination beyond this is past float64's range once exponentiated.
 _MAX_LOG = 700.0
+# What the read-out's guard adds to its score at most (§1c): above any score a fit gives a copy.
+GUARD_SCORE = 1e4
 # ρ stays within e^±40.
 MAX_LOG_WIDTH = 40.0
 
@@ -142,7 +144,7 @@ class CausalQwenContextValues(nn.Module):
         self.choice = nn.Linear(hidden_size, len(CANDIDATES) - 1)
         self.mean_score = nn.Linear(hidden_size, 1)
         self.width = nn.Linear(hidden_size, 1)
-        # The read-out's guard g(z_t): where it is positive the read-out's score rises by up to `LINEAR_ONLY_SCORE`
+        # The read-out's guard g(z_t): where it is positive the read-out's score rises by up to `GUARD_SCORE`
         # (docs/design.md §1c). 0 (weight and bias) leaves the choice as fitted, as in a checkpoint saved before it.
         self.guard = nn.Linear(hidden_size, 1)
         # β of π̄ = (π_0, Σ_j π_j, π_ℓ, π_r), and of π_μ.
@@ -336,9 +338,10 @@ class CausalQwenContextValues(nn.Module):
         scores = torch.cat((self.query(queries), self.choice(queries), self.mean_score(queries), self.guard(queries),
                             self.width(queries)), -1).double()  # one conversion rather than four
         q, choice, guard, raw_width = scores.split((3 * self.rank, len(CANDIDATES), 1, 1), dim=-1)
-        # §1c: where the guard says the read-out beats the path for this kind of query, its score rises (saturating
-        # at +40, where every other candidate weighs below e^-40); where the guard is ≤ 0 the choice is the fit's.
-        choice = torch.cat((choice[..., :1] + LINEAR_ONLY_SCORE * guard.clamp(0.0, 1.0), choice[..., 1:]), -1)
+        # §1c: where the guard says the read-out beats the path for this kind of query, its score rises by up to
+        # 10⁴ (every other candidate's weight is then exactly 0 in float64, however far a copy's score was above the
+        # read-out's); where the guard is ≤ 0 the choice is the fit's.
+        choice = torch.cat((choice[..., :1] + GUARD_SCORE * guard.clamp(0.0, 1.0), choice[..., 1:]), -1)
         return q, choice, raw_width.squeeze(-1)
 
     def _width(self, raw_width: torch.Tensor, summary: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -85,9 +85,9 @@ def reference_value(model, ids, values):
             choice = p["choice.weight"] @ z[i, t] + p["choice.bias"]
             mean_score = float(p["mean_score.weight"][0] @ z[i, t] + p["mean_score.bias"][0])
             numbers = [j for j in range(t + 1) if int(ids[i, j]) == NUM]
-            # The read-out's guard (docs/design.md §1c) raises its score by 40·clamp(g·z + g_0, 0, 1).
+            # The read-out's guard (docs/design.md §1c) raises its score by 10⁴·clamp(g·z + g_0, 0, 1).
             guard = float(p["guard.weight"][0] @ z[i, t] + p["guard.bias"][0])
-            linear_score = float(choice[0]) + 40.0 * min(max(guard, 0.0), 1.0)
+            linear_score = float(choice[0]) + 1e4 * min(max(guard, 0.0), 1.0)
             scores = [linear_score] + ([float(choice[1]), float(choice[2]), mean_score] if numbers else [])
             copies, log_sum, raw_sum, total = [], 0.0, 0.0, 0.0
             for j in numbers:
@@ -1516,10 +1516,10 @@ def test_the_locations_loss_is_the_smooth_absolute_error(monkeypatch):
     assert float(context_start._location_error(r.detach())) == pytest.approx(sum(map(abs, residuals)) / len(residuals))
 
 
-@pytest.mark.parametrize("guard", [0.1, 0.6])
+@pytest.mark.parametrize("guard", [1e-4, 3e-4])
 def test_the_guard_raises_the_readouts_score_as_its_formula_says(model, guard):
     with torch.no_grad():
-        model.abduction.context_values.guard.weight.normal_(0.0, 0.01, generator=torch.Generator().manual_seed(3))
+        model.abduction.context_values.guard.weight.normal_(0.0, 1e-5, generator=torch.Generator().manual_seed(3))
         model.abduction.context_values.guard.bias.fill_(guard)
     ids, values = numbers_batch()
     with torch.no_grad():
