@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_arguments(parser, args)
+    _check_paths(parser, args)
     run = {"convert": run_convert, "generate": run_generate, "value": run_value, "train": run_train,
            "eval": run_eval}[args.command]
     with quiet_weight_bars():
@@ -173,6 +174,17 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parse_overrides(args.overrides)
         except ValueError as error:
             parser.error(f"argument --set: {error}")
+
+    elif args.command == "generate":
+        _check_generate(parser, args)
+    elif args.command == "train" and args.eval_steps is not None and args.eval_steps > args.max_steps:
+        parser.error(f"argument --eval-steps: {args.eval_steps} exceeds --max-steps {args.max_steps}, so no "
+                     "evaluation would run (0 turns evaluation off)")
+
+
+def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The folders and files the command reads, after its options: each missing one in one line, before loading."""
+    if args.command == "convert":
         if _looks_local(args.source) and not Path(args.source).expanduser().is_dir():
             parser.error(f"argument source: no such folder: {args.source}")
     else:
@@ -180,11 +192,6 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     data = getattr(args, "data", "corpus")
     if data != "corpus" and not Path(data).expanduser().is_file():
         parser.error(f"argument --data: no such file: {data}")
-    elif args.command == "generate":
-        _check_generate(parser, args)
-    elif args.command == "train" and args.eval_steps is not None and args.eval_steps > args.max_steps:
-        parser.error(f"argument --eval-steps: {args.eval_steps} exceeds --max-steps {args.max_steps}, so no "
-                     "evaluation would run (0 turns evaluation off)")
 
 
 def _looks_local(name: str) -> bool:

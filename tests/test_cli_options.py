@@ -290,3 +290,30 @@ def test_train_evaluates_as_planned_and_quietly(converted, tmp_path, monkeypatch
         assert not [w for w in caught if "pin_memory" in str(w.message)]
     err = capsys.readouterr().err
     assert "Loading weights" not in err and "Writing model shards" not in err
+
+
+def test_missing_and_unconverted_folders_stop_in_one_line_before_loading(tmp_path, capsys):
+    from transformers import Qwen2Config
+
+    qwen = tmp_path / "qwen"
+    Qwen2Config(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1).save_pretrained(qwen)
+    cases = [
+        (["generate", str(tmp_path / "missing"), "p"], "no such folder"),
+        (["value", str(tmp_path), "p"], "has no config.json"),
+        (["eval", str(qwen)], "'qwen2' checkpoint, not a CausalQwen one: convert it first with `causal-qwen convert"),
+        (["convert", str(tmp_path / "missing"), str(tmp_path / "out")], "no such folder"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    (converted / "config.json").write_text('{"model_type": "causal_qwen"}')
+    with pytest.raises(SystemExit) as stop:
+        main(["train", str(converted), str(tmp_path / "out"), "--data", str(tmp_path / "none.jsonl")])
+    assert stop.value.code == 2 and "argument --data: no such file" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
