@@ -303,15 +303,14 @@ def run_value(args) -> int:
     import warnings
 
     model, tokenizer = _load(args.model)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # said per prompt below
         values = model.next_value(tokenizer, args.prompt)
     for prompt, value in zip(args.prompt, values, strict=True):
         (low50, high50), (low90, high90) = value.intervals[0.5], value.intervals[0.9]
         note = "" if value.writes_number else "  (the model's next token here is not <NUM>)"
         print(f"{prompt}{value.separator}{value.median:.6g}  50% [{low50:.6g}, {high50:.6g}]  "
               f"90% [{low90:.6g}, {high90:.6g}]{note}")
-    del caught  # said per prompt above
     return 0
 
 

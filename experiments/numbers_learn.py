@@ -34,7 +34,7 @@ from importlib.resources import files
 from pathlib import Path
 
 import torch
-from transformers import TrainingArguments
+from transformers import TrainerCallback, TrainingArguments
 
 from causal_qwen import CausalQwenForCausalLM, CausalQwenTokenizer
 from causal_qwen.data import CausalQwenDataCollator, tokenize_examples
@@ -235,7 +235,7 @@ def run(causal_dir: str, train: dict, test: dict, steps: int, out: Path, seed: i
     started = time.perf_counter()
     at_start = {}
 
-    class Start(__import__("transformers").TrainerCallback):
+    class Start(TrainerCallback):
         def on_step_begin(self, args, state, control, model=None, **kwargs):
             if not at_start:
                 model.eval()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from test_keep_start import args, eval_forward, fresh, keyed
+from transformers import TrainerCallback
 
 from causal_qwen import CausalQwenForCausalLM, CausalQwenTokenizer
 from causal_qwen.data.collator import CausalQwenDataCollator
@@ -126,7 +127,7 @@ def test_training_with_the_defaults_trains_the_readout_and_never_ends_worse(tiny
                                 data_collator=CausalQwenDataCollator(0))
     start = {}
 
-    class Start(__import__("transformers").TrainerCallback):
+    class Start(TrainerCallback):
         def on_step_begin(self, args, state, control, model=None, **kwargs):
             if not start:
                 start["w"] = model.action.reg_head.weight.detach().clone()

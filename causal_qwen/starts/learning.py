@@ -165,8 +165,8 @@ class ValueLearner:
         self.fitted_rows = (~rows.held).nonzero().flatten()
         self.steps = 0
         self.kinds = _kinds(rows.x[rows.held])
-        start = self._held_out_error(start_locations)
         held_start = None if start_locations is None else start_locations[rows.held]
+        start = self._held_out_error(held_start)
         self.best_by_kind = self._errors_by_kind(held_start)
         self.record = LearningRecord(start_error=start, best_error=start)
         self.record.curve.append((0, start))
@@ -182,14 +182,13 @@ class ValueLearner:
         return loc, scale.clamp(min=self.action.scale_min)
 
     def _held_out_error(self, locations: torch.Tensor | None = None) -> float:
+        """The median |loc − y| over the held-out rows, from their `locations` (None: the current state's)."""
         held = self.rows.held
         if not bool(held.any()):
             return math.inf
         if locations is None:
             with torch.no_grad():
                 locations, _ = self._locations(held)
-        else:
-            locations = locations[held]
         return float((locations - self.rows.y[held]).abs().median())
 
     def step(self) -> float:
@@ -207,9 +206,11 @@ class ValueLearner:
             loss.backward()
             self.optimizer.step()
         self.steps += 1
-        error = self._held_out_error()
+        with torch.no_grad():
+            held_locations, _ = self._locations(self.rows.held)
+        error = self._held_out_error(held_locations)
         self.record.curve.append((self.steps, error))
-        by_kind = self._errors_by_kind()
+        by_kind = self._errors_by_kind(held_locations)
         # Better pooled, and no kind of held-out row worse than the best state's by more than `_KIND_SLACK`: a pooled
         # median can fall while one task's error rises.
         slack = (self.best_by_kind * _KIND_SHARE).clamp(min=_KIND_SLACK)
