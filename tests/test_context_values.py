@@ -1489,6 +1489,8 @@ def test_the_widths_are_fitted_on_the_readouts_leave_one_out_misses(model, monke
         scale_u = torch.full((n, channels), 1e-4, dtype=torch.float64)
         fit = fit_context_values(model, rows, x, scale_u, y, starts=1, loo_residuals=loo)
         assert fit["context_seed"] is not None, seed  # the path is kept: it copies
+        # Only `_fit_guard` (here switched off) writes the guard: the locations' descent leaves it at 0.
+        assert not path.guard.weight.any() and not path.guard.bias.any(), seed
 
         read = _read_rows(path, rows, n)
         spread = (scale_u + action.b_noise.detach().double().abs()) @ w.abs()
@@ -1534,6 +1536,20 @@ def test_the_guard_raises_the_readouts_score_as_its_formula_says(model, guard):
     loc_y, scale_y = reference_value(model, ids, values)
     torch.testing.assert_close(out.loc_Y.double(), loc_y, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(out.scale_Y.double(), scale_y, rtol=2e-5, atol=2e-5)
+
+
+def test_training_does_not_move_the_guard(model):
+    """The guard is fitted on held-out misses, not by gradient: in a training forward its parameters are in the graph
+    with a gradient of exactly 0 (so that every engine reduces them), while the choice beside it gets one."""
+    with torch.no_grad():
+        model.abduction.context_values.guard.bias.fill_(3e-4)  # inside the ramp, where a step would have a slope
+    model.train()
+    ids, values = numbers_batch()
+    model(ids, numeric_values=values).loc_Y.sum().backward()
+    path = model.abduction.context_values
+    assert path.guard.weight.grad is not None and path.guard.bias.grad is not None
+    assert not path.guard.weight.grad.any() and not path.guard.bias.grad.any()
+    assert path.choice.bias.grad.abs().sum() > 0
 
 
 def test_a_saturated_guard_leaves_the_value_to_the_readout(model):

@@ -143,7 +143,8 @@ def test_the_context_path_with_a_rank_without_numbers_equals_one_process(runs, e
     assert {k for k in torch.load(single / "params.pt") if k.startswith("abduction.context_values.")} == {
         f"abduction.context_values.{name}" for name in (
             "query.weight", "query.bias", "key.weight", "key.bias", "key_before.weight", "choice.weight", "choice.bias",
-            "mean_score.weight", "mean_score.bias", "width.weight", "width.bias", "width_by_choice", "mean_width")}
+            "mean_score.weight", "mean_score.bias", "guard.weight", "guard.bias", "width.weight", "width.bias",
+            "width_by_choice", "mean_width")}
     assert_same_training(run, single)
 
 
