@@ -8,15 +8,20 @@ and shape checks still run while tracing.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
+from .cauchy import transform_values
 from .labels import IGNORE_INDEX
 
 __all__ = [
     "check_positive_finite", "check_ids", "check_values", "check_numbers_have_values", "check_forward_inputs",
-    "check_values_at_numbers",
+    "check_values_at_numbers", "check_batch_shape", "check_values_in_range",
 ]
+
+# symlog of the largest finite float64: the most the numeric embedding and a symlog head's space ever hold.
+_SYMLOG_OF_FLOAT64_MAX = math.log1p(sys.float_info.max)
 
 
 def check_positive_finite(name: str, value) -> float:
@@ -48,6 +53,63 @@ def check_values(name: str, values: torch.Tensor, shape: torch.Size) -> None:
         raise ValueError(f"{name} must have the shape of the ids {tuple(shape)}, got {tuple(values.shape)}")
     if not torch.compiler.is_compiling() and not bool(torch.isfinite(values).all()):
         raise ValueError(f"{name} must be finite (no NaN or inf)")
+
+
+def check_batch_shape(name: str, tensor: torch.Tensor, layout: str) -> None:
+    """A tensor of the `layout` ("[batch, sequence]" or "[batch, sequence, hidden]") with at least one position.
+
+    The backbone cannot run an empty batch or a zero-length sequence: it fails in a reshape of the attention,
+    which names neither the argument nor the cause."""
+    dims = layout.count(",") + 1
+    if tensor.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, {layout}, got shape {tuple(tensor.shape)}")
+    if tensor.shape[0] == 0 or tensor.shape[1] == 0:
+        raise ValueError(
+            f"{name} has shape {tuple(tensor.shape)}: an empty batch or a zero-length sequence has no position to "
+            f"run; pass at least one sequence of at least one token, {layout}"
+        )
+
+
+def check_values_in_range(numeric_values: torch.Tensor, value_transform: str, dtype: torch.dtype,
+                          raw_gradient: bool) -> None:
+    """Values the model can carry in `dtype` (its parameters'), so that its loss and gradients stay finite.
+
+    A value v enters the model as symlog(v) in the numeric embedding, at most ln(1 + 1.8e308) = 709.8, finite in
+    every floating dtype, and as T(v) (`config.value_transform`) in the regression head's space: the heads write
+    loc_Y in the model's dtype and the loss takes T(v) in float32. A T(v) that rounds to ±inf in the narrower of the
+    two makes the loss and its gradients inf or NaN without an error; symlog keeps every finite float64 within 709.8,
+    so only `"identity"` has values to refuse there. With `raw_gradient` (autograd records a forward of the
+    context-value path) v itself must fit too: the path's raw-space combination Σ_j w_j·v_j hands each v_j to the
+    gradient of its weight w_j, which reaches the model's parameters in their dtype.
+    """
+    if torch.compiler.is_compiling() or numeric_values.numel() == 0:
+        return
+    held = dtype if torch.finfo(dtype).max < torch.finfo(torch.float32).max else torch.float32
+    largest = torch.finfo(held).max
+    in_head_space = not (value_transform == "symlog" and _SYMLOG_OF_FLOAT64_MAX < largest)
+    if not in_head_space and not raw_gradient:
+        return
+    values = numeric_values.double()
+    # The cast the model makes, so that the bound is the dtype's own rounding to ±inf, not a constant near it.
+    checked = transform_values(values, value_transform) if in_head_space else values
+    beyond = ~torch.isfinite(checked.to(held))
+    if not bool(beyond.any()):
+        return
+    found = (f"numeric_values holds {int(beyond.sum())} value(s) beyond what the model can carry (the largest in "
+             f"magnitude {float(values[beyond].abs().max()):.4g})")
+    if in_head_space:
+        raise ValueError(
+            f"{found}: with value_transform={value_transform!r} a value v is held in the regression head's space as "
+            f"T(v) in {held} (the narrower of the model's dtype and the loss's float32), which holds at most "
+            f"±{largest:.4g}; past it the loss and its gradients are inf or NaN. Rescale the values (a larger unit), "
+            "or use value_transform='symlog', whose T(v) = symlog(v) is at most 709.8 for every finite float64 v."
+        )
+    raise ValueError(
+        f"{found} in a forward that records gradients: the context-value path's raw-space combination Σ_j w_j·v_j "
+        f"hands each v_j to the gradient of its weight, and that gradient reaches the parameters in {held}, which "
+        f"holds at most ±{largest:.4g}; past it the gradients are inf or NaN. Rescale the values (a larger unit) to "
+        "train on them; run inference under torch.no_grad(), where every finite float64 value is read."
+    )
 
 
 def check_numbers_have_values(input_ids, numeric_values: torch.Tensor | None, num_token_id: int) -> None:
@@ -100,6 +162,9 @@ def check_forward_inputs(
         raise ValueError("Pass exactly one of input_ids and inputs_embeds")
     if input_ids is not None:
         check_ids("input_ids", input_ids, vocab, allow_ignore=False)
+        check_batch_shape("input_ids", input_ids, "[batch, sequence]")
+    else:
+        check_batch_shape("inputs_embeds", inputs_embeds, "[batch, sequence, hidden]")
     if numeric_values is not None:
         if input_ids is None:
             raise ValueError("numeric_values needs input_ids (the <NUM> positions); got inputs_embeds")

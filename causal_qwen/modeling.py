@@ -24,7 +24,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 
 from . import cauchy
 from .cauchy import symlog, untransform_values
-from .checks import check_forward_inputs
+from .checks import check_forward_inputs, check_values_in_range
 from .configuration import CausalQwenConfig, bind_model
 from .context_values import CausalQwenContextValues, ContextRead
 from .conversion import convert_qwen
@@ -470,6 +470,11 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenLoadingMixin, K
         loss_kwargs = {name: kwargs.pop(name, None) for name in _LOSS_KEYWORDS}
         check_forward_inputs(self.config, input_ids, numeric_values, inputs_embeds, labels, numeric_labels,
                              loss_kwargs["shift_labels"], loss_kwargs["shift_numeric_labels"])
+        if numeric_values is not None and self.config.use_numeric and not torch.compiler.is_compiling():
+            # Autograd records the context-value path's raw-space combination, whose weights' gradient carries v.
+            raw_gradient = torch.is_grad_enabled() and self.abduction.context_values is not None
+            check_values_in_range(numeric_values, self.config.value_transform, self.model.embed_tokens.weight.dtype,
+                                  raw_gradient)
         has_targets = labels is not None or loss_kwargs["shift_labels"] is not None
         numeric_labels = numeric_labels if numeric_labels is not None else numeric_values
         targets = LossTargets.from_labels(labels, numeric_labels, **loss_kwargs) if has_targets else None

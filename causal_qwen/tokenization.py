@@ -88,6 +88,8 @@ class CausalQwenTokenizer(Qwen2Tokenizer):
         # `apply_chat_template` encode through it, with the parameters of `TokenizersBackend._encode_plus` that
         # `_encode_numbers` takes by name; tests/test_tokenization.py::test_encode_plus_is_the_one_hook pins both.
         _check_max_length(kwargs.get("max_length"))
+        _check_encodable("text", args[0] if args else kwargs.get("text"))
+        _check_encodable("text_pair", args[1] if len(args) > 1 else kwargs.get("text_pair"))
         if not self.use_numeric:
             return super()._encode_plus(*args, **kwargs)
         return self._encode_numbers(*args, **kwargs)
@@ -379,6 +381,26 @@ def _as_text_batch(text: str | Sequence[str]) -> tuple[list[str], bool]:
             where = f"`text[{index}]`" if is_batched else "`text`"
             raise TypeError(f"{where} must be a str, got {type(item).__name__}")
     return texts, is_batched
+
+
+def _check_encodable(name: str, text: Any) -> None:
+    """Texts with a UTF-8 encoding: a lone surrogate (such as "\\ud800", left by a bad decode) has none, and the Rust
+    tokenizer refuses it with a TypeError that names neither the argument nor the character."""
+    texts = text if isinstance(text, (list, tuple)) else [text]
+    for index, item in enumerate(texts):
+        # `isascii` is a flag CPython keeps on every str: an ASCII text costs no scan.
+        if not isinstance(item, str) or item.isascii():
+            continue
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError as error:
+            where = f"`{name}[{index}]`" if isinstance(text, (list, tuple)) else f"`{name}`"
+            raise ValueError(
+                f"{where} holds a lone surrogate {item[error.start]!r} at character {error.start}, which is not a "
+                "character and has no UTF-8 encoding (a text decoded with errors='surrogateescape' or cut inside a "
+                "UTF-16 pair); decode the source as UTF-8, or replace them: text.encode('utf-8', "
+                "'replace').decode('utf-8')"
+            ) from None
 
 
 def _is_tensor(value: Any) -> bool:

@@ -337,6 +337,83 @@ def test_bad_inputs_raise_naming_the_argument(tiny_qwen):
         text_only(ids, numeric_values=torch.ones(2, 5))
 
 
+def test_an_empty_batch_or_sequence_raises_naming_the_argument(tiny_qwen):
+    # Without the check the backbone fails in a reshape of the attention that names neither the input nor the cause.
+    model = build(tiny_qwen)
+    for shape in ((0, 5), (2, 0), (0, 0)):
+        with pytest.raises(ValueError, match=rf"input_ids has shape \({shape[0]}, {shape[1]}\): an empty batch"):
+            model(torch.zeros(shape, dtype=torch.long))
+        with pytest.raises(ValueError, match="input_ids has shape"):
+            model(torch.zeros(shape, dtype=torch.long), numeric_values=torch.zeros(shape, dtype=torch.float64),
+                  labels=torch.zeros(shape, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"input_ids must be 2-D, \[batch, sequence\], got shape \(5,\)"):
+        model(torch.ones(5, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"inputs_embeds has shape \(2, 0, 32\)"):
+        model(inputs_embeds=torch.zeros(2, 0, 32))
+    with torch.no_grad():  # one sequence of one token is enough
+        assert model(torch.ones(1, 1, dtype=torch.long)).loc_S.shape == (1, 1, 128)
+
+
+def one_number(value: float, dtype: torch.dtype = torch.float64) -> dict:
+    ids = torch.tensor([[5, 7, NUM, 9, NUM, 11]])
+    values = torch.zeros(ids.shape, dtype=dtype)
+    values[0, 2], values[0, 4] = value, 3.0
+    return dict(input_ids=ids, numeric_values=values, labels=ids)
+
+
+def finite_step(model, inputs: dict) -> bool:
+    """Whether a training step's loss and every gradient are finite."""
+    model.zero_grad()
+    out = model(**inputs)
+    out.loss.backward()
+    return bool(torch.isfinite(out.loss)) and all(bool(torch.isfinite(p.grad).all())
+                                                  for p in model.parameters() if p.grad is not None)
+
+
+def test_values_beyond_what_the_model_carries_raise_naming_numeric_values(tiny_qwen):
+    # With the identity transform the head's space is the value itself, held in float32 by the loss: past float32's
+    # range T(v) is ±inf and the loss and its gradients are not finite.
+    model = build(tiny_qwen, value_transform="identity", context_values=False)
+    for value in (1e300, -1e300, -1.7e308, 2.0 ** 128 - 2.0 ** 103):  # the last: the first to round to inf
+        inputs = one_number(value)
+        with pytest.raises(ValueError, match=r"numeric_values holds 1 value\(s\) .* torch.float32 .*3.403e\+38"):
+            model(**inputs)
+        with torch.no_grad(), pytest.raises(ValueError, match="numeric_values holds 1 value"):
+            model(**{**inputs, "labels": None})  # read only as context, too
+    # Up to float32's own rounding to inf a value is carried.
+    for value in (torch.finfo(torch.float32).max, -(2.0 ** 128 - 2.0 ** 103 - 2.0 ** 75)):
+        assert finite_step(model, one_number(value))
+
+
+def test_a_float16_model_carries_values_within_float16(tiny_qwen):
+    # The narrower of the model's dtype and the loss's float32 bounds T(v): 65504 is float16's largest value, and
+    # values from 65520 round to inf there.
+    model = build(tiny_qwen, value_transform="identity").to(torch.float16)
+    with torch.no_grad():
+        assert torch.isfinite(model(**one_number(65504.0)).loc_Y).all()
+        with pytest.raises(ValueError, match=r"numeric_values .* torch.float16 .*6.55e\+04"):
+            model(**one_number(65520.0))
+        # symlog(v) ≤ 709.8 for every finite float64 v: a symlog model reads any value, in float16 as well.
+        out = build(tiny_qwen).to(torch.float16)(**one_number(1e300))
+    assert torch.isfinite(out.loss) and torch.isfinite(out.loc_Y).all()
+
+
+def test_a_training_step_refuses_values_its_gradient_cannot_carry(tiny_qwen):
+    # The context-value path's raw-space combination Σ w_j·v_j has the gradient v_j in w_j: a fresh model's step on
+    # 1e300 gave inf/NaN gradients in the path's keys, and so in everything before them, without an error.
+    model = build(tiny_qwen)
+    assert model.config.value_transform == "symlog" and model.config.context_values
+    for value in (1e300, -1e39):
+        with pytest.raises(ValueError, match=r"numeric_values .* records gradients: .* torch.float32.*3.403e\+38"):
+            model(**one_number(value))
+    with torch.no_grad():  # inference reads every finite float64 value
+        out = model(**one_number(1e300))
+    assert torch.isfinite(out.loss) and torch.isfinite(out.loc_Y).all()
+    assert finite_step(model, one_number(torch.finfo(torch.float32).max))
+    # Without the path the values reach the model only through symlog, and a step on 1e300 is finite.
+    assert finite_step(build(tiny_qwen, context_values=False), one_number(1e300))
+
+
 @pytest.mark.parametrize("field,value,kind", [
     ("num_token_id", 128, ValueError), ("num_token_id", -1, ValueError), ("abduction_scale_init", 0.0, ValueError),
     ("noise_init", -1.0, ValueError), ("scale_min", float("nan"), ValueError), ("gate_alpha", 1.5, ValueError),

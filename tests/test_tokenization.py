@@ -521,6 +521,22 @@ def test_encode_plus_is_the_one_hook(monkeypatch):
         assert len(calls) == 1, name
 
 
+@pytest.mark.parametrize("use_numeric", [True, False])
+def test_a_lone_surrogate_raises_naming_the_text(use_numeric):
+    # The Rust tokenizer refuses a str without a UTF-8 encoding with a TypeError about its input types.
+    tok = byte_tokenizer(use_numeric=use_numeric)
+    with pytest.raises(ValueError, match=r"`text` holds a lone surrogate '\\ud800' at character 1"):
+        tok("a\ud800 1")
+    with pytest.raises(ValueError, match=r"`text\[1\]` holds a lone surrogate '\\udcff' at character 4"):
+        tok(["ok", "x 2 \udcff"])
+    with pytest.raises(ValueError, match="`text`"):
+        tok.encode("\ud800")
+    # Text beyond ASCII, astral characters included, is encoded as before.
+    text = "héllo 3 😀"
+    encoded = tok(text)
+    assert tok.decode(encoded["input_ids"], numeric_values=encoded.get("numeric_values")) == text
+
+
 def test_too_long_warns_once_unless_truncated_or_quiet(caplog):
     tok = byte_tokenizer(model_max_length=4)
     with caplog.at_level(logging.WARNING):
