@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -175,8 +176,11 @@ def test_a_tokenizer_that_disagrees_with_the_config_is_refused(folders, tmp_path
         CausalQwenLM(pretrained=str(tmp_path / "cq"), device="cpu", dtype="float32")
 
 
+SUMS = [(2, 3), (1, 1), (4, 4)]
+
+
 def _write_task(folder):
-    rows = [{"question": f"{a} + {b} =", "answer": str(a + b)} for a, b in [(2, 3), (1, 1), (4, 4)]]
+    rows = [{"question": f"{a} + {b} =", "answer": str(a + b)} for a, b in SUMS]
     (folder / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (folder / "tiny_sums.yaml").write_text(
         "task: tiny_sums\n"
@@ -190,6 +194,31 @@ def _write_task(folder):
     )
 
 
+def _answering_five(folders, folder):
+    """The tiny model, saved in `folder`, whose greedy continuation of "... =" is " 5" (" ", then `<NUM>` of 5)."""
+    model = CausalQwenForCausalLM.from_pretrained(folders / "cq", dtype=torch.float32)
+    tokenizer = CausalQwenTokenizer.from_pretrained(folders / "cq")
+    equals, space = tokenizer(" =")["input_ids"][-1], tokenizer(" ")["input_ids"][-1]
+    with torch.no_grad():
+        # Layers that add nothing: the features z are the normalised embedding of the token itself, and loc_U = z.
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.abduction.loc_net.weight.copy_(torch.eye(model.config.hidden_size))
+        model.abduction.loc_net.bias.zero_()
+        # RMSNorm gives every z the norm √H, so a row 1e3·z/|z|² scores 1e3 at its own token and less at any other
+        # (Cauchy-Schwarz), where every other row scores 0: after " =" the greedy token is " ", after " " <NUM>.
+        z = model.model.norm(model.model.embed_tokens.weight[[equals, space]])
+        model.action.cls_head.weight.zero_()
+        model.action.cls_head.bias.zero_()
+        model.action.cls_head.weight[[space, model.config.num_token_id]] = 1e3 * z / z.square().sum(-1, keepdim=True)
+        model.action.reg_head.weight.zero_()
+        model.action.reg_head.bias.fill_(math.log(6.0))  # symlog(5)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.mark.slow
 def test_simple_evaluate_and_the_command_line_on_a_local_task(folders, tmp_path, monkeypatch):
     import lm_eval
@@ -198,17 +227,23 @@ def test_simple_evaluate_and_the_command_line_on_a_local_task(folders, tmp_path,
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     _write_task(tmp_path)
+    model = _answering_five(folders, tmp_path / "five")
+    # acc of a loglikelihood task: the share of answers that are the greedy continuation, here " 5" alone (<NUM>
+    # with a median of 5 within the written precision ±0.5).
+    expected = sum(a + b == 5 for a, b in SUMS) / len(SUMS)
+    assert expected == 1 / 3
     results = lm_eval.simple_evaluate(
-        model="causal-qwen", model_args=f"pretrained={folders / 'cq'},device=cpu,dtype=float32",
+        model="causal-qwen", model_args=f"pretrained={model},device=cpu,dtype=float32",
         tasks=["tiny_sums"], task_manager=TaskManager(include_path=str(tmp_path)), batch_size=2,
     )
-    assert results["results"]["tiny_sums"]["acc,none"] in (0.0, 1 / 3, 2 / 3, 1.0)
+    assert results["results"]["tiny_sums"]["acc,none"] == pytest.approx(expected)
+    assert [sample["acc"] for sample in results["samples"]["tiny_sums"]] == [int(a + b == 5) for a, b in SUMS]
     command = [sys.executable, "-m", "causal_qwen.integrations.lm_eval", "run", "--model", "causal-qwen",
-               "--model_args", f"pretrained={folders / 'cq'},dtype=float32", "--device", "cpu", "--tasks", "tiny_sums",
+               "--model_args", f"pretrained={model},dtype=float32", "--device", "cpu", "--tasks", "tiny_sums",
                "--include_path", str(tmp_path), "--batch_size", "2"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "tiny_sums" in done.stdout
+    assert re.search(r"tiny_sums.*\|acc\s*\|[^|]*\|0\.3333\|", done.stdout), done.stdout
 
 
 @pytest.mark.slow
@@ -235,8 +270,23 @@ def test_real_qwen25(qwen25_dir, tmp_path):
 @pytest.mark.slow
 def test_a_task_that_samples_runs_in_traditional_mode(ours):
     """Without a named mode, a task's do_sample selects traditional mode, as in `generate`."""
-    requests = [Instance(request_type="generate_until", doc={},
-                         arguments=("She bought 12 apples for", {"until": ["\n"], "max_gen_toks": 4, "do_sample": True,
-                                                                   "temperature": 0.7}), idx=0)]
+    prompt, options = "She bought 12 apples for", {"until": ["\n"], "max_gen_toks": 4, "do_sample": True,
+                                                  "temperature": 0.7}
+    requests = [Instance(request_type="generate_until", doc={}, arguments=(prompt, options), idx=0)]
     torch.manual_seed(0)
-    assert isinstance(ours.generate_until(requests, disable_tqdm=True)[0], str)
+    answer = ours.generate_until(requests, disable_tqdm=True)[0]
+    # The same draw, made by `generate` itself in traditional mode. Without do_sample the call is greedy, in the
+    # standard mode by default, and `generate` refuses do_sample in any mode but traditional: each differs or fails.
+    batch = ours.tokenizer(prompt, return_tensors="pt")
+
+    def continuation(**kwargs) -> str:
+        torch.manual_seed(0)
+        out = ours.model.generate(**batch, max_new_tokens=4, return_dict_in_generate=True, **kwargs)
+        start = batch["input_ids"].shape[1]
+        text = ours.tokenizer.decode(out.sequences[0, start:], numeric_values=out.numeric_values[0, start:])
+        return text.split("\n")[0]
+
+    sampled = continuation(mode="traditional", do_sample=True, temperature=0.7)
+    assert answer == sampled
+    assert sampled != continuation(mode="traditional", do_sample=False)
+    assert sampled != continuation()

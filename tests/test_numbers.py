@@ -2,7 +2,6 @@
 
 import math
 import re
-import time
 
 import numpy as np
 import pytest
@@ -253,9 +252,13 @@ def test_rewriting_numbers_in_canonical_form_reads_back_the_same(text):
     ids=["digits", "dots", "commas", "dashes", "colons", "exponents", "signs", "zeros", "exponent", "groups",
          "glued", "spaced"],
 )
-def test_scanner_is_linear_on_pathological_runs(build):
-    # A quadratic scanner needs minutes on 1 MB; a linear one well under a second. The bound is a loose guard.
-    text = build(1_000_000)
-    start = time.perf_counter()
-    find_numbers(text)
-    assert time.perf_counter() - start < 5.0
+def test_scanner_reads_pathological_runs_as_ordered_exact_spans(build):
+    # Runs a backtracking grammar would read in quadratic time; benchmarks/bench_number_scanner.py times them (a
+    # linear scanner: well under a second on 1 MB, twice that on 2 MB). Here what is found in them is checked.
+    text = build(100_000)
+    position = 0
+    for span in find_numbers(text):
+        assert position <= span.start < span.end <= len(text)
+        assert math.isfinite(span.value)
+        assert float(text[span.start : span.end].replace(",", "")) == span.value
+        position = span.end

@@ -5,7 +5,6 @@ import json
 import logging
 import math
 import random
-import time
 import unicodedata
 
 import numpy as np
@@ -469,13 +468,10 @@ def test_chat_template_with_numbers(tok, base):
 
 
 def test_one_megabyte_of_digits_and_separators(tok):
+    # Its time, against the Qwen2 tokenizer on the same string, is measured by benchmarks/bench_tokenizer.py.
     rng = random.Random(0)
     text = "".join(rng.choices("0123456789" * 4 + ".,-+/:eE %  ", k=1_000_000))
-    start = time.perf_counter()
     encoded = tok(text, verbose=False)
-    elapsed = time.perf_counter() - start
-    # A guard against super-linear scanning (the benchmark reports the real figure, well under this).
-    assert elapsed < 10.0
     assert len(encoded["numeric_values"]) == len(encoded["input_ids"]) > 100_000
 
 
