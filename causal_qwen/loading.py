@@ -16,18 +16,22 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import json
 import math
 import os
+import stat
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from .configuration import CausalQwenConfig, bind_model
 from .migrations import ADDED
 from .modelcard import write_model_card
 
 __all__ = ["FILLED_TENSORS", "CausalQwenLoadingMixin", "check_config_edit", "check_missing_keys", "fill_from_config",
-           "inverse_softplus", "load_fills"]
+           "inverse_softplus", "load_fills", "restore_weight_modes"]
 
 # Fields that decide a model's modules when it is built: a built model cannot follow an edit of them.
 _MODULE_FIELDS = {
@@ -192,7 +196,47 @@ class CausalQwenLoadingMixin:
             backbone = self._backbone_class
             auto_map.setdefault("AutoModel", f"{backbone.__module__.rsplit('.', 1)[-1]}.{backbone.__name__}")
             self.config.auto_map = auto_map
+        modes = _weight_modes(Path(save_directory))
         result = super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             write_model_card(save_directory, self.config)
+            restore_weight_modes(Path(save_directory), modes)
         return result
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a saved model: the one file, or the shards its index names."""
+    index = folder / SAFE_WEIGHTS_INDEX_NAME
+    if index.is_file():
+        names = set(json.loads(index.read_text())["weight_map"].values())
+        return [folder / name for name in sorted(names)]
+    return [folder / SAFE_WEIGHTS_NAME]
+
+
+def _weight_modes(folder: Path) -> dict[Path, int]:
+    """The permission bits of the weight files already in `folder`, which a save replaces."""
+    if not folder.is_dir():
+        return {}
+    return {path: stat.S_IMODE(path.stat().st_mode) for path in _weight_files(folder) if path.is_file()}
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it, to a restrictive value for the instant it is set)."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def restore_weight_modes(folder: Path, modes: dict[Path, int]) -> None:
+    """Give the saved weight files the mode a plain `open()` would have: the replaced file's, or 0o666 less the umask.
+
+    safetensors 0.8 writes a file through a temporary one, created 0o600, that it renames into place
+    (safetensors#764; safetensors#782), so `model.safetensors` came out readable by its owner alone where every other
+    file of the folder is 0o644 under umask 022: another user, or a container that runs as one, could not load it.
+    """
+    if os.name == "nt":  # no POSIX permission bits to mend
+        return
+    new_mode = 0o666 & ~_umask()
+    for path in _weight_files(folder):
+        if path.is_file():
+            path.chmod(modes.get(path, new_mode))

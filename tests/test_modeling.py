@@ -1,7 +1,9 @@
 """CausalQwenForCausalLM against the Qwen2 it is built from and against its own formulas."""
 
 import math
+import os
 import shutil
+import stat
 from types import SimpleNamespace
 
 import pytest
@@ -260,6 +262,29 @@ def test_save_load_and_auto_roundtrip(tmp_path, tiny_qwen, learnable):
     assert {"numeric_embedding.w_num", "abduction.loc_net.weight", "abduction.scale_net.weight",
             "action.cls_head.weight", "action.reg_head.weight", "action.b_noise", "action.threshold"} <= keys
     assert set(tiny_qwen.model.state_dict()) == {k[len("model."):] for k in keys if k.startswith("model.")}
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX permission bits")
+def test_saved_weights_have_the_mode_of_every_other_saved_file(tmp_path, tiny_qwen):
+    # safetensors writes through a temporary file created 0o600 and renamed into place; the folder's other files
+    # get 0o666 less the umask, as the weights should.
+    model = build(tiny_qwen)
+    mask = os.umask(0o027)
+    try:
+        model.save_pretrained(tmp_path / "one")
+        model.save_pretrained(tmp_path / "sharded", max_shard_size="50KB")
+    finally:
+        os.umask(mask)
+    for folder in (tmp_path / "one", tmp_path / "sharded"):
+        modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in folder.iterdir()}
+        weights = [name for name in modes if name.endswith(".safetensors")]
+        assert weights and "config.json" in modes
+        assert set(modes.values()) == {0o640}, modes
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    # Saved over an existing file, the weights keep its mode, as a file written with open() does.
+    (tmp_path / "one" / "model.safetensors").chmod(0o600)
+    model.save_pretrained(tmp_path / "one")
+    assert stat.S_IMODE((tmp_path / "one" / "model.safetensors").stat().st_mode) == 0o600
 
 
 def test_fresh_model_from_config_starts_at_identity_abduction():
