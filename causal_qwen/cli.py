@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import functools
 import json
 import sys
 from collections.abc import Iterator
@@ -30,10 +31,31 @@ checkpoint; then `generate`, `train` and `eval` take that folder. `causal-qwen C
 """
 
 
+class _DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, where it has one that its help does not state already.
+
+    argparse's `ArgumentDefaultsHelpFormatter` would also write "(default: None)" for an option whose absence means
+    something its help explains, "(default: False)" for every flag, and True/False for a --x/--no-x pair, which this
+    writes as on/off."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if not action.option_strings or "%(default)" in text or "(default" in text:
+            return text
+        if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x: on or off
+            return f"{text} (default: {'on' if default else 'off'})".lstrip()
+        if default is None or default is False or default is argparse.SUPPRESS or default == []:
+            return text  # no value without the option (a plain flag is off, --set adds nothing)
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="causal-qwen", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # Each subcommand's --help shows the defaults (add_parser does not pass the formatter on).
+    commands.add_parser = functools.partial(commands.add_parser, formatter_class=_DefaultsHelpFormatter)
 
     convert = commands.add_parser("convert", help="Qwen2 checkpoint -> CausalQwen checkpoint with its tokenizer",
                                   description="Build a CausalQwen from a Qwen2 checkpoint (initialised as in "
@@ -41,16 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
                                               "its tokenizer.")
     convert.add_argument("source", help="Qwen2 folder (with its tokenizer) or hub id")
     convert.add_argument("output", help="folder to write the CausalQwen checkpoint to")
-    convert.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    convert.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                         help="dtype of the saved weights")
     convert.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                          help="override a CausalQwenConfig field, e.g. --set ovr_threshold=20 (repeatable)")
     convert.add_argument("--num-row-init", default="digits", choices=["copy", "digits"],
                          help="the <NUM> row of the classification head: the mean of Qwen's rows of the digits 0-9 "
-                              "(default: <NUM> starts where Qwen expects a digit) or Qwen's row of that id (copy: "
+                              "(digits: <NUM> starts where Qwen expects a digit) or Qwen's row of that id (copy: "
                               "a reserved, untrained row, so the model starts never writing a number)")
     convert.add_argument("--seed", type=int, default=0,
                          help="seed of the weights the conversion draws (w_num, w_reg); the same seed gives the same "
-                              "model, and it is recorded as conversion_seed in config.json (default 0)")
+                              "model, and it is recorded as conversion_seed in config.json")
 
     generate = commands.add_parser("generate", help="generate text, numbers written as digits",
                                    description="Generate a continuation of PROMPT in any mode.")
@@ -67,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float)
     generate.add_argument("--top-k", type=int)
     generate.add_argument("--top-p", type=float)
-    generate.add_argument("--max-new-tokens", type=int, default=32)
-    generate.add_argument("--seed", type=int, default=0, help="seed of every random draw (default 0)")
+    generate.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate after each prompt")
+    generate.add_argument("--seed", type=int, default=0, help="seed of every random draw")
     generate.add_argument("--intervals", action="store_true",
                           help="print the 90%% interval of every generated number (a freshly converted model "
                                "rarely writes one: it says so)")
@@ -81,37 +104,38 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_arguments(train, default_split="train", default_n=2000)
     train.add_argument("--eval-data", help="evaluation data (same forms as --data; 'corpus' is its validation "
                                           "split); default: the corpus validation split when training on the corpus")
-    train.add_argument("--max-steps", type=int, default=100)
+    train.add_argument("--max-steps", type=int, default=100, help="optimizer steps")
     train.add_argument("--eval-steps", type=int,
                        help="evaluate every N steps; 0: no evaluation (default: once, after the last step)")
     train.add_argument("--eval-examples", type=int,
                        help="evaluate on at most N examples (default: max-steps x batch-size / number of "
                             "evaluations, so that evaluating costs less than training)")
-    train.add_argument("--batch-size", type=int, default=8)
+    train.add_argument("--batch-size", type=int, default=8, help="examples per step")
     train.add_argument("--learning-rate", type=float, default=1e-4,
-                       help="learning rate of the classification head (default 1e-4); the other modules use fixed "
-                            "multiples of it (see causal_qwen.training.LEARNING_RATE_SCALES)")
-    train.add_argument("--max-length", type=int, default=128)
-    train.add_argument("--seed", type=int, default=0)
+                       help="learning rate of the classification head; the other modules use fixed multiples of it "
+                            "(see causal_qwen.training.LEARNING_RATE_SCALES)")
+    train.add_argument("--max-length", type=int, default=128, help="tokens kept of each example")
+    train.add_argument("--seed", type=int, default=0,
+                       help="seed of the built-in corpus, the data order and every random draw")
     train.add_argument("--report-to", default="none", help="Trainer's report_to, e.g. tensorboard, wandb, none")
     train.add_argument("--value-head-start", action=argparse.BooleanOptionalAction, default=True,
-                       help="fit the value head on the training data before the first step (default: on; "
-                            "see causal_qwen.starts)")
+                       help="fit the value head on the training data before the first step (see "
+                            "causal_qwen.starts)")
     train.add_argument("--train-value-features", action=argparse.BooleanOptionalAction, default=False,
-                       help="also train the numeric embedding and the abduction network the value reads (default: "
-                            "off: the read-out learns from its start on the rows the start read; see docs/training.md)")
+                       help="also train the numeric embedding and the abduction network the value reads (off: the "
+                            "read-out learns from its start on the rows the start read; see docs/training.md)")
     train.add_argument("--value-learning", action=argparse.BooleanOptionalAction, default=True,
                        help="train the value read-out from its start by gradient, keeping the state of least "
-                            "held-out error (default: on; causal_qwen.value_learning)")
+                            "held-out error (causal_qwen.value_learning)")
     train.add_argument("--value-learning-rate", type=float,
                        help="Adam's rate of the read-out's training, in whitened coordinates (default: "
                             "ValueLearning's)")
     train.add_argument("--value-start-rows", type=int, default=4096,
                        help="value rows the start reads (and the read-out trains on), a sample of the "
-                            "training data when it holds more (default: %(default)s)")
+                            "training data when it holds more")
 
     value = commands.add_parser("value", help="the value each prompt asks for next, with its intervals",
-                                description="Print the median and the 50%% and 90%% intervals of the number each "
+                                description="Print the median and the 50% and 90% intervals of the number each "
                                             "PROMPT asks for next (model.next_value).")
     value.add_argument("model", help="CausalQwen folder")
     value.add_argument("prompt", nargs="+", help="one or more prompts, each ending where its number would start")
@@ -120,11 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    description="Evaluate every metric (docs/design.md §6) and write PNG plots.")
     evaluate.add_argument("model", help="CausalQwen folder")
     _add_data_arguments(evaluate, default_split="test", default_n=500)
-    evaluate.add_argument("--batch-size", type=int, default=8)
-    evaluate.add_argument("--max-length", type=int, default=128)
+    evaluate.add_argument("--batch-size", type=int, default=8, help="examples per forward pass")
+    evaluate.add_argument("--max-length", type=int, default=128, help="tokens kept of each example")
     evaluate.add_argument("--plots", help="folder for predictions.png and u_scale.png")
     evaluate.add_argument("--json", help="also write the metrics to this JSON file")
-    evaluate.add_argument("--seed", type=int, default=0)
+    evaluate.add_argument("--seed", type=int, default=0,
+                          help="seed of the built-in corpus and of the metrics' random draws")
     return parser
 
 

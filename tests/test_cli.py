@@ -1,5 +1,6 @@
 """The causal-qwen command line end to end on a tiny base checkpoint with the real tokenizer."""
 
+import argparse
 import json
 import shutil
 import subprocess
@@ -27,6 +28,41 @@ def test_train_learning_rate_is_the_heads_and_defaults_to_1e_4():
     assert build_parser().parse_args(["train", "in", "out"]).learning_rate == 1e-4
     sub = subprocess.run(["causal-qwen", "train", "--help"], capture_output=True, text=True, check=True).stdout
     assert "classification head" in sub and "LEARNING_RATE_SCALES" in sub
+
+
+def _option_entries(help_text: str) -> dict[str, str]:
+    """Each option's entry of a --help, by its first option string, its lines joined."""
+    entries, current = {}, None
+    for line in help_text.split("options:", 1)[1].splitlines():
+        if line.startswith("  -"):
+            current = line.split()[0].rstrip(",")
+            entries[current] = ""
+        if current is not None:
+            entries[current] += " " + " ".join(line.split())
+    return entries
+
+
+@pytest.mark.parametrize("command", ["convert", "generate", "train", "eval", "value"])
+def test_every_subcommand_help_shows_each_default_once(command, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main([command, "--help"])
+    assert stop.value.code == 0
+    help_text = capsys.readouterr().out
+    subparser = build_parser()._subparsers._group_actions[0].choices[command]
+    entries = _option_entries(help_text)
+    for action in subparser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        entry = entries[action.option_strings[0]]
+        assert "(default: None)" not in entry and "%%" not in entry, entry
+        if isinstance(action, argparse.BooleanOptionalAction):
+            assert entry.endswith(f"(default: {'on' if action.default else 'off'})"), entry
+        elif action.default not in (None, False, []):
+            assert entry.count("(default") == 1 and f"(default: {action.default})" in entry, entry
+    assert "%%" not in help_text
+    if command == "generate":
+        assert entries["--max-new-tokens"].endswith("tokens to generate after each prompt (default: 32)")
+        assert "(default" not in entries["--do-sample"]  # a plain flag is off without it
 
 
 @pytest.mark.slow
