@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_arguments(parser, args)
     _check_paths(parser, args)
+    _check_eval_data(parser, args)
     run = {"convert": run_convert, "generate": run_generate, "value": run_value, "train": run_train,
            "eval": run_eval}[args.command]
     with quiet_weight_bars():
@@ -217,6 +218,34 @@ def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     data = getattr(args, "data", "corpus")
     if data != "corpus" and not Path(data).expanduser().is_file():
         parser.error(f"argument --data: no such file: {data}")
+
+
+def _check_eval_data(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`eval`'s data file, read before the model loads: a malformed file or one without a number to predict stops in
+    one line. The examples read are kept on `args` for `run_eval`."""
+    if args.command != "eval" or args.data == "corpus":  # the corpus has numbers in every split
+        return
+    from .data.texts import read_examples
+
+    try:
+        examples = read_examples(args.data, args.text_column, args.prompt_column, args.completion_column)
+    except ValueError as error:  # names the file and the line
+        parser.error(f"argument --data: {error}")
+    if not any(map(_has_predicted_number, examples)):
+        scored = "completion" if isinstance(examples[0], dict) else "text"
+        parser.error(f"argument --data: no {scored} of {args.data} holds a number after other text, so eval has no "
+                     "value to score and would report no regression metric (a number that opens a text is never "
+                     "predicted): evaluate on texts with numbers, or on --data corpus")
+    args.examples = examples
+
+
+def _has_predicted_number(example: str | dict) -> bool:
+    """Whether a scored position of the example is a number: one after some text (the first token has no
+    prediction), in the completion of a prompt/completion pair (the prompt is not scored)."""
+    from .numbers import find_numbers
+
+    prompt, text = ("", example) if isinstance(example, str) else (example["prompt"], example["completion"])
+    return any(span.start > 0 or prompt for span in find_numbers(text))
 
 
 def _looks_local(name: str) -> bool:
@@ -384,6 +413,8 @@ def _examples(args, split: str | None = None, n: int | None = None) -> list:
     if args.data == "corpus":
         return [example.text for example in generate_corpus(n or args.num_examples, split=split or args.split,
                                                             seed=args.seed)]
+    if getattr(args, "examples", None) is not None:  # read by the checks already
+        return args.examples
     try:
         return read_examples(args.data, args.text_column, args.prompt_column, args.completion_column)
     except ValueError as error:  # names the file and the line: the message is the whole story, not a traceback

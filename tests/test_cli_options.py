@@ -15,7 +15,7 @@ from conftest import REPO_ROOT, tiny_qwen2_config
 from safetensors.torch import load_file
 from transformers import Qwen2ForCausalLM
 
-from causal_qwen import CausalQwenConfig, CausalQwenForCausalLM
+from causal_qwen import CausalQwenConfig, CausalQwenForCausalLM, cli
 from causal_qwen.cli import _eval_plan, _print_intervals, build_parser, check_arguments, main, quiet_weight_bars
 
 # What pip writes as the `causal-qwen` console script.
@@ -317,3 +317,43 @@ def test_missing_and_unconverted_folders_stop_in_one_line_before_loading(tmp_pat
         main(["train", str(converted), str(tmp_path / "out"), "--data", str(tmp_path / "none.jsonl")])
     assert stop.value.code == 2 and "argument --data: no such file" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_eval_on_data_without_a_number_to_predict_stops_in_one_line_before_loading(tmp_path, console_script,
+                                                                                  monkeypatch, capsys):
+    model = tmp_path / "converted"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "causal_qwen"}')  # no weights: a load would fail otherwise
+    files = {
+        "words.jsonl": ['{"text": "Plain text without digits."}', '{"text": "Still none."}'],
+        "opening.txt": ["5 apples and nothing after"],  # the first token is never predicted
+        "pairs.jsonl": ['{"prompt": "It cost 12 dollars, so", "completion": " a lot."}'],  # the prompt is not scored
+    }
+    for name, lines in files.items():
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+    for name, scored in (("words.jsonl", "text"), ("opening.txt", "text"), ("pairs.jsonl", "completion")):
+        with pytest.raises(SystemExit) as stop:
+            main(["eval", str(model), "--data", str(tmp_path / name)])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument --data: no {scored} of {tmp_path / name} holds a number" in err, err
+        assert "no regression metric" in err and "--data corpus" in err and "Traceback" not in err
+    # A malformed file stops the same way, naming the file and the line.
+    (tmp_path / "broken.jsonl").write_text('{"text": "a 1"}\n{"text": \n')
+    with pytest.raises(SystemExit) as stop:
+        main(["eval", str(model), "--data", str(tmp_path / "broken.jsonl")])
+    assert stop.value.code == 2 and "argument --data:" in capsys.readouterr().err
+    # The stop imports neither torch nor transformers: nothing has loaded.
+    result = run_python("-X", "importtime", str(console_script), "eval", str(model), "--data",
+                        str(tmp_path / "words.jsonl"))
+    assert result.returncode == 2 and "holds a number" in result.stderr.splitlines()[-1], result.stderr[-2000:]
+    heavy = sorted(m for m in imported_modules(result.stderr) if m.split(".")[0] in ("torch", "transformers"))
+    assert not heavy, heavy[:10]
+    # Data with a number to predict passes, and the examples read are the ones evaluated.
+    (tmp_path / "numbers.jsonl").write_text('{"prompt": "It cost", "completion": " 12 dollars."}\n'
+                                           '{"prompt": "", "completion": "No number here."}\n')
+    seen = []
+    monkeypatch.setattr(cli, "run_eval", lambda args: seen.append(cli._examples(args)) or 0)
+    assert main(["eval", str(model), "--data", str(tmp_path / "numbers.jsonl")]) == 0
+    assert seen == [[{"prompt": "It cost", "completion": " 12 dollars."},
+                     {"prompt": "", "completion": "No number here."}]]

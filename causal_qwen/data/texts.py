@@ -17,8 +17,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..labels import IGNORE_INDEX
-
 __all__ = ["read_examples", "read_texts", "tokenize_examples", "tokenize_texts"]
 
 Example = str | dict
@@ -181,6 +179,8 @@ def tokenize_examples(tokenizer, examples: Iterable[Example], max_length: int | 
 
 
 def _join(prompts, completions, row: int, eos: int | None, max_length: int | None) -> dict:
+    from ..labels import IGNORE_INDEX  # here, not above: `labels` imports torch, which reading a file does not need
+
     prompt_ids, completion_ids = list(prompts["input_ids"][row]), list(completions["input_ids"][row])
     prompt_values, completion_values = _values(prompts, row), _values(completions, row)
     if eos is not None:
