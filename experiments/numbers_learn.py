@@ -165,7 +165,7 @@ def baselines(train: dict, test: dict, qwen_dir: str | None) -> dict:
         out["median"][name] = [relative_error(median, t) for t in truth]
         trees = HistGradientBoostingRegressor(random_state=0).fit(xs, ys).predict(tx)
         out["trees"][name] = [relative_error(float(p), t) for p, t in zip(trees, truth, strict=True)]
-        boost = CatBoostRegressor(verbose=False, random_seed=0).fit(xs, ys).predict(tx)
+        boost = CatBoostRegressor(verbose=False, random_seed=0, allow_writing_files=False).fit(xs, ys).predict(tx)
         out["catboost"][name] = [relative_error(float(p), t) for p, t in zip(boost, truth, strict=True)]
     if qwen_dir:
         out["ridge probe"] = ridge_probe(train, test, qwen_dir)
@@ -221,7 +221,7 @@ def pooled(errors: dict[str, list[float]]) -> float:
     return statistics.median([e for errs in errors.values() for e in errs])
 
 
-def run(causal_dir: str, train: dict, test: dict, steps: int, out: Path, seed: int = 0) -> dict:
+def run(causal_dir: str, train: dict, test: dict, steps: int, out: Path, seed: int = 0, tag: str = "64") -> dict:
     tokenizer = CausalQwenTokenizer.from_pretrained(causal_dir)
     model = CausalQwenForCausalLM.from_pretrained(causal_dir)
     pairs = [{"prompt": r["prompt"], "completion": r["completion"]} for n in train for r in train[n]]
@@ -240,6 +240,7 @@ def run(causal_dir: str, train: dict, test: dict, steps: int, out: Path, seed: i
             if not at_start:
                 model.eval()
                 at_start.update(measure(model, tokenizer, test))
+                _cache_rows(trainer, tokenizer, test, out / f"rows_{tag}.pt")
                 model.train()
 
     trainer.add_callback(Start())
@@ -252,6 +253,31 @@ def run(causal_dir: str, train: dict, test: dict, steps: int, out: Path, seed: i
                                                      "best": learner.record.best_error,
                                                      "best_step": learner.record.best_step},
             "fit": model.config.value_head_fit}
+
+
+def _cache_rows(trainer, tokenizer, test: dict, path: Path) -> None:
+    """Save the learner's rows and start, and the test rows read by the start's model (`read_value_rows`), so that
+    the read-out's training can be studied on them without the backbone."""
+    from causal_qwen.starts import read_value_rows
+
+    learner = trainer.value_head_start.learner
+    if learner is None:
+        return
+    model = trainer.model
+    pairs = [{"prompt": r["prompt"], "completion": r["completion"]} for n in test for r in test[n]]
+    collate = CausalQwenDataCollator.from_tokenizer(tokenizer)
+    features = tokenize_examples(tokenizer, pairs, max_length=160)
+    batches = [collate([features[i] for i in range(lo, min(lo + 8, len(features)))])
+               for lo in range(0, len(features), 8)]
+    tested = read_value_rows(model, batches, max_positions=len(pairs) + 8)
+    head = model.action.reg_head
+    torch.save({"train": vars(learner.rows), "test": vars(tested.rows),
+                "test_tasks": [n for n in test for _ in test[n]],
+                "test_targets": [r["target"] for n in test for r in test[n]],
+                "start_locations": learner.start_locations, "penalty": learner.penalty,
+                "w": head.weight.detach().double().cpu()[0].clone(), "b": float(head.bias.detach()),
+                "noise": learner.noise, "scale_min": model.action.scale_min,
+                "transform": model.config.value_transform}, path)
 
 
 def errors_of(result: dict, when: str) -> dict[str, list[float]]:
@@ -274,13 +300,14 @@ def main() -> None:
     train64, test = split(every, 64, draw=0)
     results["baselines64"] = baselines(train64, test, args.qwen)
     for order in range(args.orders):
-        results["runs"][f"64 order {order}"] = run(args.causal, train64, test, args.steps, out, seed=order)
+        results["runs"][f"64 order {order}"] = run(args.causal, train64, test, args.steps, out, seed=order,
+                                                    tag=f"64_{order}")
         (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
         print(report_run(f"64 order {order}", results["runs"][f"64 order {order}"]), flush=True)
     if args.large:
         train_large, _ = split(every, args.large, draw=0)
-        results["baselines_large"] = baselines(train_large, test, args.qwen)
-        results["runs"]["large"] = run(args.causal, train_large, test, args.steps, out, seed=0)
+        results["baselines_large"] = baselines(train_large, test, None)  # the probe is compared at 64 rows only
+        results["runs"]["large"] = run(args.causal, train_large, test, args.steps, out, seed=0, tag="large")
         print(report_run("large", results["runs"]["large"]), flush=True)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     print(bars(results), flush=True)

@@ -38,10 +38,22 @@ def _numpy_loo_median(x: np.ndarray, y: np.ndarray, penalty: float) -> float:
     return float(np.median(errors))
 
 
+def _numpy_loo(x: np.ndarray, y: np.ndarray, penalty: float) -> np.ndarray:
+    """|Leave-one-out residuals| `[N]` by refitting n times (features standardised once, with every row)."""
+    scaling = (x.mean(0), x.std(0, ddof=1))
+    out = []
+    for i in range(len(y)):
+        keep = np.arange(len(y)) != i
+        w, b = _numpy_ridge(x[keep], y[keep], penalty, scaling)
+        out.append(abs(x[i] @ w + b - y[i]))
+    return np.array(out)
+
+
 def test_ridge_readout_equals_float64_ridge_and_exact_leave_one_out():
+    # Fewer than 40 rows are one kind of row: the penalty of least median leave-one-out miss.
     g = np.random.default_rng(0)
-    x = g.normal(size=(40, 6)) * np.array([100.0, 1.0, 0.01, 3.0, 1.0, 1.0]) + 5.0
-    y = x @ np.array([0.01, -1.0, 50.0, 0.0, 0.3, 0.0]) + 2.0 + g.standard_cauchy(40) * 0.1
+    x = g.normal(size=(36, 6)) * np.array([100.0, 1.0, 0.01, 3.0, 1.0, 1.0]) + 5.0
+    y = x @ np.array([0.01, -1.0, 50.0, 0.0, 0.3, 0.0]) + 2.0 + g.standard_cauchy(36) * 0.1
     penalties = (0.5, 5.0, 50.0)
     weight, bias, penalty, error = ridge_readout(torch.tensor(x), torch.tensor(y), penalties)
     loo = {p: _numpy_loo_median(x, y, p) for p in penalties}
@@ -50,6 +62,33 @@ def test_ridge_readout_equals_float64_ridge_and_exact_leave_one_out():
     expected_w, expected_b = _numpy_ridge(x, y, penalty)
     np.testing.assert_allclose(weight.numpy(), expected_w, rtol=1e-9, atol=1e-12)
     assert bias == pytest.approx(expected_b, rel=1e-9)
+
+
+def test_the_ridge_penalty_weighs_every_kind_of_row_alike():
+    """Three kinds of rows, far apart in the features: one read closely, two loosely. The penalty is the one of least
+    mean over the kinds of each kind's median leave-one-out miss (computed here by refitting, with the kinds known),
+    which is not the one of least pooled median miss here: that one favours the kind read closely."""
+    g = np.random.default_rng(1)
+    kind = np.arange(60) % 3
+    x = g.normal(size=(60, 8))
+    x[:, :3] += 30.0 * np.eye(3)[kind]
+    slopes = g.normal(size=(3, 8))
+    noise = np.array([0.002, 0.6, 0.6])[kind]
+    y = (x * slopes[kind]).sum(1) + 4.0 * kind + noise * g.normal(size=60)
+    penalties = (0.01, 0.1, 1.0, 10.0, 100.0)
+    weight, bias, penalty, error = ridge_readout(torch.tensor(x), torch.tensor(y), penalties)
+    loo = {p: _numpy_loo(x, y, p) for p in penalties}
+
+    def lower_median(values):  # torch's median of an even count is the lower middle value
+        return np.sort(values)[(len(values) - 1) // 2]
+
+    by_kinds = {p: np.mean([lower_median(e[kind == k]) for k in range(3)]) for p, e in loo.items()}
+    pooled = {p: np.median(e) for p, e in loo.items()}
+    assert min(by_kinds, key=by_kinds.get) != min(pooled, key=pooled.get)  # the data tell the two rules apart
+    assert penalty == min(by_kinds, key=by_kinds.get)
+    assert error == pytest.approx(np.median(loo[penalty]), rel=1e-9)
+    expected_w, expected_b = _numpy_ridge(x, y, penalty)
+    np.testing.assert_allclose(weight.numpy(), expected_w, rtol=1e-9, atol=1e-12)
 
 
 def test_ridge_readout_rejects_bad_input():

@@ -13,12 +13,13 @@ standardised features and Σ = aᵀa/N + (λ/N)·I (λ the start's ridge penalty
 b_reg = b_start + δ − μ·(Σ^-1/2·v)/σ, with v and δ starting at 0. There every direction moves the prediction alike
 and a step of Adam is a step of (preconditioned) gradient descent on the read-out's loss.
 
-A guard keeps the best state: the rows the start held out (a fifth, chosen by the rows' content) never train the
-read-out; its median absolute error in the head's space there (what the evaluation's median relative error punishes)
-is measured at every step, and a state is written into the model only where it is lower than the best so far and no
-kind of held-out row (a cluster of their features: in practice a task) is worse than at that best by more than 0.01;
-a state no better than the start never replaces it. The start itself is scored there by its leave-one-out locations
-(it was fitted on every row).
+A guard keeps the best state: the rows the start held out (a fifth, chosen by the rows' content) never train a
+monitor, a second read-out trained by the same steps on the other rows; its median absolute error in the head's space
+there (what the evaluation's median relative error punishes) is measured at every step. Where it is lower than the
+best so far and no kind of held-out row (a cluster of their features: in practice a task) is worse than at that best
+by more than 0.01, the model gets the state of the read-out trained on every row after as many steps; a state no
+better than the start never replaces it. The start itself is scored there by its leave-one-out locations (it was
+fitted on every row).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ _ROWS_PER_KIND = 20
 _MAX_KINDS = 8
 
 
-def _kinds(x: torch.Tensor) -> torch.Tensor:
+def kinds_of(x: torch.Tensor) -> torch.Tensor:
     """Kinds of rows `[N]`: k-means clusters of their leading principal coordinates (k ≤ `_MAX_KINDS`, at least
     `_ROWS_PER_KIND` rows each on average), deterministic (farthest-point start, Lloyd's iterations): the prompts of
     different tasks lie apart there (docs/design.md §1c)."""
@@ -70,6 +71,18 @@ def _kinds(x: torch.Tensor) -> torch.Tensor:
     return torch.unique(labels, return_inverse=True)[1]  # kinds numbered 0..K-1, none empty
 
 
+def kinds_score(misses: torch.Tensor, kinds: torch.Tensor) -> float:
+    """The mean over kinds (of at least half `_ROWS_PER_KIND` rows) of each kind's median miss; the median over all
+    rows where fewer than two kinds have that many. In the head's space a miss is about a relative error, so this is
+    the evaluation's median relative error with every task weighed alike: a choice cannot buy a lower pooled median
+    with a task that the pooled median does not see (docs/design.md §1c)."""
+    counts = kinds.bincount()
+    counted = [k for k in range(len(counts)) if counts[k] >= _ROWS_PER_KIND // 2]
+    if len(counted) < 2:
+        return float(misses.median())
+    return float(torch.stack([misses[kinds == k].median() for k in counted]).mean())
+
+
 @dataclass(frozen=True)
 class ValueLearning:
     """Settings of the read-out's training from its start (`CausalQwenTrainer(value_learning=...)`, the CLI's
@@ -82,7 +95,7 @@ class ValueLearning:
         seed: that generator's seed.
     """
 
-    learning_rate: float = 1e-2
+    learning_rate: float = 3e-3
     batch_rows: int = 256
     seed: int = 0
 
@@ -122,92 +135,123 @@ class LearningRecord:
     curve: list[tuple[int, float]] = field(default_factory=list)
 
 
-class ValueLearner:
-    """Trains `w_reg`, `b_reg` of `action` on `rows` in whitened coordinates (module docstring) and writes the best
-    held-out state into the model. `penalty` is the ridge penalty of the start (on standardised features)."""
+class _WhitenedReadout:
+    """`w_reg`, `b_reg` in the whitened coordinates of the rows `fitted` (module docstring), trained by Adam on the
+    value's NLL over batches of those rows: w = w₀ + Σ^-1/2·v/σ, b = b₀ + δ − μ·(Σ^-1/2·v)/σ."""
 
-    def __init__(self, action, rows: LearningRows, settings: ValueLearning, penalty: float,
-                 start_locations: torch.Tensor | None = None):
-        """`start_locations` `[N]`: the start's locations as it predicts rows it did not see, where it was fitted on
-        every row (a start from data); None: the model as it is is the start (a checkpoint on new data), and the
-        learner starts from its read-out."""
-        self.action, self.rows, self.settings = action, rows, settings
-        head = action.reg_head
-        self.w0 = head.weight.detach().double().cpu()[0].clone()
-        self.b0 = float(head.bias.detach())
-        self.noise = float(action.reg_log_noise.detach().exp()) if action.reg_log_noise is not None else 0.0
-        fitted = rows.x[~rows.held]
-        self.mean, self.std = fitted.mean(0), fitted.std(0).clamp(min=1e-6)
-        standard = (fitted - self.mean) / self.std
-        n = max(len(fitted), 1)
+    def __init__(self, rows: LearningRows, fitted: torch.Tensor, w0: torch.Tensor, b0: float, penalty: float,
+                 settings: ValueLearning, noise: float, scale_min: float, from_ridge: bool):
+        """`fitted` `[N]` the rows it trains on; `from_ridge`: start from the ridge of penalty `penalty` on those rows
+        (v = Σ^-1/2·aᵀ(y − ȳ)/N, w₀ = 0, b₀ = ȳ) rather than from (`w0`, `b0`)."""
+        self.rows, self.settings, self.noise, self.scale_min = rows, settings, noise, scale_min
+        self.w0, self.b0 = w0.clone(), b0
+        self.fitted_rows = fitted.nonzero().flatten()
+        x = rows.x[fitted]
+        self.mean, self.std = x.mean(0), x.std(0).clamp(min=1e-6)
+        standard = (x - self.mean) / self.std
+        n = max(len(x), 1)
         eigenvalues, vectors = torch.linalg.eigh(standard.T @ standard / n)
         eigenvalues = eigenvalues.clamp(min=0.0) + penalty / n
         self.whiten = (vectors / eigenvalues.sqrt()) @ vectors.T  # Σ^-1/2, symmetric
-        self.features = ((rows.x - self.mean) / self.std) @ self.whiten  # [N, C], whitened
         self.v = torch.zeros(rows.x.shape[1], dtype=torch.float64, requires_grad=True)
         self.delta = torch.zeros(1, dtype=torch.float64, requires_grad=True)
-        if start_locations is not None:
-            # The start was fitted on every row, the held-out ones too: its own locations there are in-sample, and a
-            # state a step away would score as well as they do. The learner starts instead from the same ridge on the
-            # training rows alone (in the whitened coordinates: v = Σ^-1/2·aᵀ(y − ȳ)/N), and the start is scored by
-            # its leave-one-out locations (`start_locations`), so both are scored on rows they did not see.
+        if from_ridge:
             with torch.no_grad():
-                y = rows.y[~rows.held]
+                y = rows.y[fitted]
                 self.v += self.whiten @ (standard.T @ (y - y.mean())) / n
                 self.w0.zero_()
                 self.b0 = float(y.mean())
-                self.delta.zero_()
         # Adam moves each whitened coordinate by about its rate per step, and a prediction by the sum of C such
         # moves of random sign: ~rate·√C. The rate is per prediction, so each coordinate's is rate/√C.
         self.optimizer = torch.optim.Adam([{"params": [self.v], "lr": settings.learning_rate / math.sqrt(len(self.v))},
                                            {"params": [self.delta], "lr": settings.learning_rate}])
         self.generator = torch.Generator().manual_seed(settings.seed)
-        self.fitted_rows = (~rows.held).nonzero().flatten()
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w `[C]`, b `[1]`) of the current (v, δ)."""
+        shift = (self.whiten @ self.v) / self.std
+        return self.w0 + shift, self.b0 + self.delta - (shift * self.mean).sum()
+
+    def locations(self, rows: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loc_Y, scale_Y) at `rows`, as the model's formula gives them."""
+        r = self.rows
+        w, b = self.weights()
+        loc = r.linear_weight[rows] * (r.x[rows] @ w + b) + r.offset[rows]
+        scale = r.linear_weight[rows] * (r.s[rows] @ w.abs()) + self.noise * r.width[rows]
+        return loc, scale.clamp(min=self.scale_min)
+
+    def step(self) -> None:
+        """One step of Adam on a batch of its rows."""
+        if len(self.fitted_rows) == 0:
+            return
+        pick = torch.randint(len(self.fitted_rows), (min(self.settings.batch_rows, len(self.fitted_rows)),),
+                             generator=self.generator)
+        rows = self.fitted_rows[pick]
+        with torch.enable_grad():
+            self.optimizer.zero_grad()
+            loc, scale = self.locations(rows)
+            nll(self.rows.y[rows], loc, scale).mean().backward()
+            self.optimizer.step()
+
+
+class ValueLearner:
+    """Trains `w_reg`, `b_reg` of `action` on `rows` (module docstring) and writes the state the held-out rows choose
+    into the model. `penalty` is the ridge penalty of the start (on standardised features).
+
+    Two read-outs train side by side, by the same steps from their own starts: the monitor on the training rows only,
+    which the held-out rows score, and the read-out the model gets, on every row (the held-out ones too) from the
+    model's read-out. Where the monitor's state after k steps is the best held out, the other's state after k steps
+    is written: the held-out rows choose how far to train, and then add what they know (where rows are few, a
+    read-out trained on four fifths of them reads new rows worse than the start before its first step;
+    docs/experiments.md, "Numbers that learn")."""
+
+    def __init__(self, action, rows: LearningRows, settings: ValueLearning, penalty: float,
+                 start_locations: torch.Tensor | None = None):
+        """`start_locations` `[N]`: the start's locations as it predicts rows it did not see, where it was fitted on
+        every row (a start from data); None: the model as it is is the start (a checkpoint on new data)."""
+        self.action, self.rows, self.settings = action, rows, settings
+        self.start_locations, self.penalty = start_locations, penalty
+        head = action.reg_head
+        w0 = head.weight.detach().double().cpu()[0].clone()
+        b0 = float(head.bias.detach())
+        self.noise = float(action.reg_log_noise.detach().exp()) if action.reg_log_noise is not None else 0.0
+        every = torch.ones_like(rows.held)
+        # The start was fitted on every row, the held-out ones too: its own locations there are in-sample, and a
+        # state a step away would score as well as they do. The monitor starts instead from the same ridge on the
+        # training rows alone, and the start is scored by its leave-one-out locations (`start_locations`), so both
+        # are scored on rows they did not see.
+        self.monitor = _WhitenedReadout(rows, ~rows.held, w0, b0, penalty, settings, self.noise, action.scale_min,
+                                        from_ridge=start_locations is not None)
+        self.readout = _WhitenedReadout(rows, every, w0, b0, penalty, settings, self.noise, action.scale_min,
+                                        from_ridge=False)
         self.steps = 0
-        self.kinds = _kinds(rows.x[rows.held])
+        self.kinds = kinds_of(rows.x[rows.held])
         held_start = None if start_locations is None else start_locations[rows.held]
         start = self._held_out_error(held_start)
         self.best_by_kind = self._errors_by_kind(held_start)
         self.record = LearningRecord(start_error=start, best_error=start)
         self.record.curve.append((0, start))
 
-    def _locations(self, rows: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loc_Y, scale_Y) at `rows` for the current (v, δ), as the model's formula gives them."""
-        r = self.rows
-        shift = (self.whiten @ self.v) / self.std
-        linear = r.x[rows] @ (self.w0 + shift) + (self.b0 + self.delta - (shift * self.mean).sum())
-        spread = r.s[rows] @ (self.w0 + shift).abs()
-        loc = r.linear_weight[rows] * linear + r.offset[rows]
-        scale = r.linear_weight[rows] * spread + self.noise * r.width[rows]
-        return loc, scale.clamp(min=self.action.scale_min)
-
     def _held_out_error(self, locations: torch.Tensor | None = None) -> float:
-        """The median |loc − y| over the held-out rows, from their `locations` (None: the current state's)."""
+        """The median |loc − y| over the held-out rows, from their `locations` (None: the monitor's)."""
         held = self.rows.held
         if not bool(held.any()):
             return math.inf
         if locations is None:
             with torch.no_grad():
-                locations, _ = self._locations(held)
+                locations, _ = self.monitor.locations(held)
         return float((locations - self.rows.y[held]).abs().median())
 
     def step(self) -> float:
-        """One step of Adam on a batch of the training rows; writes the state into the model where it is the best
-        held-out so far. Returns the held-out error."""
-        if len(self.fitted_rows) == 0:
+        """One step of both read-outs; writes the model's where the monitor's is the best held-out so far. Returns
+        the monitor's held-out error."""
+        if len(self.monitor.fitted_rows) == 0:
             return self.record.best_error
-        pick = torch.randint(len(self.fitted_rows), (min(self.settings.batch_rows, len(self.fitted_rows)),),
-                             generator=self.generator)
-        rows = self.fitted_rows[pick]
-        with torch.enable_grad():
-            self.optimizer.zero_grad()
-            loc, scale = self._locations(rows)
-            loss = nll(self.rows.y[rows], loc, scale).mean()
-            loss.backward()
-            self.optimizer.step()
+        self.monitor.step()
+        self.readout.step()
         self.steps += 1
         with torch.no_grad():
-            held_locations, _ = self._locations(self.rows.held)
+            held_locations, _ = self.monitor.locations(self.rows.held)
         error = self._held_out_error(held_locations)
         self.record.curve.append((self.steps, error))
         by_kind = self._errors_by_kind(held_locations)
@@ -225,14 +269,14 @@ class ValueLearner:
     def _errors_by_kind(self, held_locations: torch.Tensor | None = None) -> torch.Tensor:
         """The median |loc − y| over the held-out rows of each kind `[K]`."""
         if held_locations is None:
-            held_locations, _ = self._locations(self.rows.held)
+            held_locations, _ = self.monitor.locations(self.rows.held)
         miss = (held_locations - self.rows.y[self.rows.held]).abs()
         return torch.stack([miss[self.kinds == k].median() for k in range(int(self.kinds.max()) + 1)]) \
             if len(miss) else torch.zeros(0, dtype=torch.float64)
 
     @torch.no_grad()
     def _write(self) -> None:
-        shift = (self.whiten @ self.v) / self.std
+        w, b = self.readout.weights()
         head = self.action.reg_head
-        head.weight.copy_((self.w0 + shift).to(head.weight)[None])
-        head.bias.fill_(self.b0 + float(self.delta.detach()) - float((shift * self.mean).sum()))
+        head.weight.copy_(w.to(head.weight)[None])
+        head.bias.copy_(b.to(head.bias))

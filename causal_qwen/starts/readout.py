@@ -44,7 +44,7 @@ from ..cauchy import linear, transform_values
 from ..checks import check_positive_finite
 from ..context_values import CausalQwenContextValues, entry_values
 from ..labels import IGNORE_INDEX, next_token_targets
-from .learning import LearningRows
+from .learning import LearningRows, kinds_of, kinds_score
 from .path import ContextRows, fit_context_values, one_thread
 
 __all__ = ["NotEnoughNumbersError", "ValueHeadFit", "ValueStart", "fit_value_head", "known_next_tokens",
@@ -397,7 +397,10 @@ def num_decision_start(
 def ridge_readout(
     x: torch.Tensor, y: torch.Tensor, penalties: Sequence[float] = PENALTIES
 ) -> tuple[torch.Tensor, float, float, float]:
-    """Ridge regression of `y` `[N]` on `x` `[N, C]` with the penalty of least median |leave-one-out residual|.
+    """Ridge regression of `y` `[N]` on `x` `[N, C]` with the penalty of least leave-one-out miss: the mean over kinds
+    of rows (clusters of `x`, `learning.kinds_of`) of each kind's median |leave-one-out residual|, the median over all
+    rows where the rows are of one kind. On data of several tasks the pooled median let the penalty favour the tasks
+    read closely and fail one read loosely (docs/experiments.md, "Numbers that learn").
 
     Features are centred and scaled to unit variance (the penalty then weighs every dimension alike, whatever its
     raw scale); the intercept is not penalised. Leave-one-out residuals (refitting without row i, features
@@ -405,7 +408,7 @@ def ridge_readout(
     here from one SVD of the standardised features.
 
     Returns:
-        `(weight [C], bias, penalty, median |LOO residual|)`, in float64.
+        `(weight [C], bias, penalty, median |LOO residual| over all rows)`, in float64.
     """
     return _ridge(x, y, penalties)[:4]
 
@@ -429,6 +432,7 @@ def _ridge(x: torch.Tensor, y: torch.Tensor, penalties: Sequence[float],
     u, s, vh = torch.linalg.svd(a, full_matrices=False)
     uty = u.T @ centred
     n = x.shape[0]
+    kinds = kinds_of(x)
     best = None
     for penalty in penalties:
         shrink = s.square() / (s.square() + penalty)
@@ -436,10 +440,11 @@ def _ridge(x: torch.Tensor, y: torch.Tensor, penalties: Sequence[float],
         # The intercept is a free parameter too: its leverage is 1/n.
         leverage = (u.square() * shrink).sum(1) + 1.0 / n
         loo = (centred - fitted) / (1.0 - leverage).clamp(min=1e-12)
-        error = loo.abs().quantile(0.5).item()
-        if best is None or error < best[1]:
-            best = (penalty, error, shrink, loo)
-    penalty, error, shrink, loo = best
+        score = kinds_score(loo.abs(), kinds)
+        if best is None or score < best[1]:
+            best = (penalty, score, shrink, loo)
+    penalty, _, shrink, loo = best
+    error = loo.abs().quantile(0.5).item()
     coef = vh.T @ (shrink / s.clamp(min=1e-12) * uty)
     weight = coef / std
     bias = (y.mean() - (weight * mean).sum()).item()
