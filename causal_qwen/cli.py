@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "read-out learns from its start on the rows the start read; see docs/training.md)")
     train.add_argument("--value-learning", action=argparse.BooleanOptionalAction, default=True,
                        help="train the value read-out from its start by gradient, keeping the state of least "
-                            "held-out error (causal_qwen.value_learning)")
+                            "held-out error (causal_qwen.starts.learning)")
     train.add_argument("--value-learning-rate", type=float,
                        help="Adam's rate of the read-out's training, in whitened coordinates (default: "
                             "ValueLearning's)")
