@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cauchy import linear, ovr_log_prob_gradients, ovr_log_probs, ovr_probability
+from .cauchy import _LOG_PI, linear, ovr_log_prob_gradients, ovr_log_probs, ovr_probability
 from .labels import IGNORE_INDEX
 
 __all__ = [
@@ -66,7 +66,6 @@ _BYTES_PER_WEIGHT_ELEMENT = 4 * 4
 _MIN_VOCAB_CHUNK = 2048
 
 _PI = math.pi
-_LOG_PI = math.log(math.pi)
 
 
 def chunked_ovr_loss(
@@ -81,8 +80,7 @@ def chunked_ovr_loss(
     chunk_size: int | None = None,
     vocab_chunk_size: int | None = None,
     memory_budget: int | None = None,
-    num_token_id: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """OvR classification loss of the Cauchy head, summed over labelled positions, without any `[N, V]` tensor.
 
     Equals `loss.ovr_classification_loss(loc_S, scale_S, ...)` summed over the positions whose target is not
@@ -100,13 +98,11 @@ def chunked_ovr_loss(
         chunk_size: positions per tile (default: chosen from `memory_budget`).
         vocab_chunk_size: classes per tile (default: chosen from `memory_budget`).
         memory_budget: bytes of scratch space for a tile (default `DEFAULT_MEMORY_BUDGET`).
-        num_token_id: when given, also return P(S > C) of this class at every position.
 
     Returns:
-        `(loss_sum, valid_count, p_num)`: the fp32 scalar sum of per-position losses, the int64 scalar count of
-        labelled positions, and `[...]` fp32 probabilities of class `num_token_id` (differentiable with plain
-        autograd; None when `num_token_id` is None). The caller divides `loss_sum` by `valid_count` (or by
-        `num_items_in_batch`).
+        `(loss_sum, valid_count)`: the fp32 scalar sum of per-position losses and the int64 scalar count of labelled
+        positions. The caller divides `loss_sum` by `valid_count` (or by `num_items_in_batch`). The probability of a
+        single class, which the regression gate needs, is `ovr_class_probability`.
     """
     features = loc_u.shape[-1]
     vocab = weight.shape[0]
@@ -123,12 +119,7 @@ def chunked_ovr_loss(
     compute_grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
     loss_sum = ChunkedOvRHeadLoss.apply(flat_loc, flat_scale, weight, bias, threshold, flat_targets, float(scale_min),
                                         rows, classes, compute_grads)
-
-    p_num = None
-    if num_token_id is not None:
-        p_num = ovr_class_probability(loc_u, scale_u_noisy, weight, bias, threshold, num_token_id,
-                                      scale_min=scale_min)
-    return loss_sum, valid_count, p_num
+    return loss_sum, valid_count
 
 
 def ovr_class_probability(

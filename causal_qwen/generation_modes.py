@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DECISION_RULES", "DEFAULT_MODE", "SAMPLING_MODE", "DecisionRule", "decision_rule"]
+__all__ = ["DECISION_RULES", "DEFAULT_MODE", "SAMPLING_MODE", "DecisionRule"]
 
 
 class DecisionRule:
@@ -120,11 +120,3 @@ DEFAULT_MODE = "standard"
 
 SAMPLING_MODE = next(name for name, rule in DECISION_RULES.items() if rule.softmax)
 """The mode that sampling or beam search implies when no mode is named: the one whose scores are a softmax's."""
-
-
-def decision_rule(mode: str) -> DecisionRule:
-    """The rule of `mode`; a ValueError naming `mode` for a name the registry does not hold."""
-    rule = DECISION_RULES.get(mode) if isinstance(mode, str) else None
-    if rule is None:
-        raise ValueError(f"mode must be one of {tuple(DECISION_RULES)}, got {mode!r}")
-    return rule

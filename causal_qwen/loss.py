@@ -127,7 +127,7 @@ class FusedHead:
         """As `DecisionScores.classification_sum`, without any `[B, S, V]` tensor."""
         # Targets keep the [B, S] shape (the last position unlabelled), so loc_u and scale_u are used whole and
         # flattening them is a view, not a copy.
-        loss_sum, valid_count, _ = chunked_ovr_loss(
+        loss_sum, valid_count = chunked_ovr_loss(
             self.loc_u, self.scale_u_noisy, self.weight, self.bias, self.threshold, targets.labels,
             scale_min=self.scale_min, chunk_size=self.tiling.chunk_size,
             vocab_chunk_size=self.tiling.vocab_chunk_size, memory_budget=self.tiling.memory_budget,

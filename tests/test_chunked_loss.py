@@ -97,9 +97,9 @@ def assert_grads_close(got, want, rtol, atol_fraction):
 @pytest.mark.parametrize("learnable", [True, False])
 def test_loss_and_gradients_match_float64_reference(chunk_size, vocab_chunk_size, learnable):
     *tensors, targets = make_inputs(learnable=learnable)
-    loss, count, p_num = chunked_ovr_loss(*tensors, targets, scale_min=SCALE_MIN, chunk_size=chunk_size,
-                                          vocab_chunk_size=vocab_chunk_size)
-    assert loss.dtype == torch.float32 and loss.shape == () and p_num is None
+    loss, count = chunked_ovr_loss(*tensors, targets, scale_min=SCALE_MIN, chunk_size=chunk_size,
+                                   vocab_chunk_size=vocab_chunk_size)
+    assert loss.dtype == torch.float32 and loss.shape == ()
     assert int(count) == int((targets != -100).sum())
     ref_tensors = float64_copies(tensors)
     ref = reference_sum(*ref_tensors, targets)
@@ -118,14 +118,14 @@ def test_inputs_exercise_the_floor_padding_and_num():
 def test_scalar_threshold_and_no_bias():
     loc_u, scale_u, weight, _, _, targets = make_inputs()
     threshold = torch.tensor(0.7, requires_grad=True)
-    loss, _, _ = chunked_ovr_loss(loc_u, scale_u, weight, None, threshold, targets, scale_min=SCALE_MIN,
+    loss, _ = chunked_ovr_loss(loc_u, scale_u, weight, None, threshold, targets, scale_min=SCALE_MIN,
                                   chunk_size=9, vocab_chunk_size=40)
     tensors = [loc_u, scale_u, weight, threshold]
     ref_tensors = float64_copies(tensors)
     ref = reference_sum(ref_tensors[0], ref_tensors[1], ref_tensors[2], 0.0, ref_tensors[3], targets)
     assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
     assert_grads_close(grads_of(loss, tensors), grads_of(ref, ref_tensors), rtol=1e-4, atol_fraction=1e-5)
-    plain, _, _ = chunked_ovr_loss(loc_u, scale_u, weight, None, 0.7, targets, scale_min=SCALE_MIN)
+    plain, _ = chunked_ovr_loss(loc_u, scale_u, weight, None, 0.7, targets, scale_min=SCALE_MIN)
     assert plain.item() == pytest.approx(loss.item(), rel=1e-6)
 
 
@@ -134,7 +134,7 @@ def test_extreme_decisions_stay_finite_and_accurate():
     *tensors, targets = make_inputs()
     with torch.no_grad():
         tensors[3].mul_(0).add_(torch.linspace(-3e3, 3e3, V))  # bias
-    loss, _, _ = chunked_ovr_loss(*tensors, targets, scale_min=SCALE_MIN, vocab_chunk_size=37)
+    loss, _ = chunked_ovr_loss(*tensors, targets, scale_min=SCALE_MIN, vocab_chunk_size=37)
     ref_tensors = float64_copies(tensors)
     ref = reference_sum(*ref_tensors, targets)
     assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
@@ -143,9 +143,9 @@ def test_extreme_decisions_stay_finite_and_accurate():
 
 def test_gradient_is_scaled_by_the_incoming_gradient():
     *tensors, targets = make_inputs()
-    loss, count, _ = chunked_ovr_loss(*tensors, targets, scale_min=SCALE_MIN, chunk_size=11)
+    loss, count = chunked_ovr_loss(*tensors, targets, scale_min=SCALE_MIN, chunk_size=11)
     unit = grads_of(loss, tensors)
-    loss, count, _ = chunked_ovr_loss(*tensors, targets, scale_min=SCALE_MIN, chunk_size=11)
+    loss, count = chunked_ovr_loss(*tensors, targets, scale_min=SCALE_MIN, chunk_size=11)
     scaled = grads_of(loss * 2.5 / count, tensors)
     for s, u in zip(scaled, unit, strict=True):
         torch.testing.assert_close(s, u * 2.5 / count, rtol=1e-6, atol=0.0)
@@ -154,7 +154,7 @@ def test_gradient_is_scaled_by_the_incoming_gradient():
 def test_no_labelled_position_gives_zero_loss_and_zero_gradients():
     *tensors, targets = make_inputs()
     targets = torch.full_like(targets, -100)
-    loss, count, _ = chunked_ovr_loss(*tensors, targets, scale_min=SCALE_MIN, chunk_size=4)
+    loss, count = chunked_ovr_loss(*tensors, targets, scale_min=SCALE_MIN, chunk_size=4)
     assert loss.item() == 0.0 and int(count) == 0
     for grad in grads_of(loss, tensors):
         assert torch.isfinite(grad).all() and not grad.any()
@@ -163,10 +163,10 @@ def test_no_labelled_position_gives_zero_loss_and_zero_gradients():
 def test_no_grad_and_frozen_inputs():
     loc_u, scale_u, weight, bias, threshold, targets = make_inputs(learnable=False)
     with torch.no_grad():
-        loss, _, _ = chunked_ovr_loss(loc_u, scale_u, weight, bias, threshold, targets, scale_min=SCALE_MIN)
+        loss, _ = chunked_ovr_loss(loc_u, scale_u, weight, bias, threshold, targets, scale_min=SCALE_MIN)
     assert loss.grad_fn is None
     weight.requires_grad_(False)
-    frozen, _, _ = chunked_ovr_loss(loc_u, scale_u, weight, bias, threshold, targets, scale_min=SCALE_MIN,
+    frozen, _ = chunked_ovr_loss(loc_u, scale_u, weight, bias, threshold, targets, scale_min=SCALE_MIN,
                                     chunk_size=8)
     grads = torch.autograd.grad(frozen, (loc_u, scale_u, bias))
     ref_tensors = float64_copies([loc_u, scale_u, weight, bias, threshold])
@@ -176,10 +176,10 @@ def test_no_grad_and_frozen_inputs():
     assert_grads_close(grads, want, rtol=1e-4, atol_fraction=1e-5)
 
 
-def test_p_num_column_equals_the_full_head():
-    loc_u, scale_u, weight, bias, threshold, targets = make_inputs()
-    _, _, p_num = chunked_ovr_loss(loc_u.view(5, 10, C), scale_u.view(5, 10, C), weight, bias, threshold,
-                                   targets.view(5, 10), scale_min=SCALE_MIN, num_token_id=NUM)
+def test_class_probability_equals_the_full_head():
+    loc_u, scale_u, weight, bias, threshold, _ = make_inputs()
+    p_num = ovr_class_probability(loc_u.view(5, 10, C), scale_u.view(5, 10, C), weight, bias, threshold, NUM,
+                                  scale_min=SCALE_MIN)
     loc_s = loc_u @ weight.T + bias
     scale_s = (scale_u @ weight.abs().T).clamp(min=SCALE_MIN)
     full = torch.atan2(scale_s, threshold - loc_s) / math.pi
@@ -332,7 +332,7 @@ def relative_errors(got, want):
 
 def test_bf16_inputs_within_tolerance_and_no_worse_than_straightforward():
     *tensors, targets = make_inputs(dtype=torch.bfloat16)
-    loss, _, _ = chunked_ovr_loss(*tensors, targets, scale_min=SCALE_MIN, chunk_size=9, vocab_chunk_size=70)
+    loss, _ = chunked_ovr_loss(*tensors, targets, scale_min=SCALE_MIN, chunk_size=9, vocab_chunk_size=70)
     grads = grads_of(loss, tensors)
     assert loss.dtype == torch.float32
     assert [g.dtype for g in grads] == [t.dtype for t in tensors if t.requires_grad]
@@ -353,7 +353,7 @@ def test_bf16_inputs_within_tolerance_and_no_worse_than_straightforward():
 
 def test_second_backward_through_the_same_graph_raises():
     *tensors, targets = make_inputs()
-    loss, count, _ = chunked_ovr_loss(*tensors, targets, scale_min=SCALE_MIN)
+    loss, count = chunked_ovr_loss(*tensors, targets, scale_min=SCALE_MIN)
     (loss / count).backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="retain_graph"):
         loss.backward()
@@ -415,7 +415,7 @@ def test_straightforward_gradients_finite_where_atan2_backward_overflows(case):
             tensors[2][:20] = 0.0      # scale_S = the floor for these classes; class 5 is a target
     ref_tensors = float64_copies(tensors)
     ref = atan2_reference_sum(*ref_tensors, targets, scale_min=scale_min)
-    fused, _, _ = chunked_ovr_loss(*tensors, targets, scale_min=scale_min, vocab_chunk_size=37)
+    fused, _ = chunked_ovr_loss(*tensors, targets, scale_min=scale_min, vocab_chunk_size=37)
     plain = straightforward_sum(*tensors, targets, scale_min=scale_min)
     assert torch.isfinite(ref) and plain.item() == pytest.approx(ref.item(), rel=1e-5)
     assert fused.item() == pytest.approx(ref.item(), rel=1e-5)
