@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import weakref
 
 from huggingface_hub.dataclasses import strict
 from transformers import Qwen2Config
@@ -28,26 +27,6 @@ _INIT_KEYWORDS = ("attn_implementation", "experts_implementation", "output_atten
 CONTEXT_VALUES_LOGS = ("symlog", "log")
 _CHECKED_FIELDS = frozenset((*_FLOAT_FIELDS, *_BOOL_FIELDS, *_INT_FIELDS, "value_transform", "value_head_fit",
                              "context_values_log"))
-# Fields that fill a model's tensors or decide its modules when it is built (the rest are read at every use). Once a
-# model is built on a config, assigning one of them goes through that model, which applies or refuses it.
-MODEL_FIELDS = frozenset(("ovr_threshold", "noise_init", "abduction_scale_init", "regression_noise", "use_numeric",
-                          "causal_size", "learnable_threshold", "abduction_anchor_weight", "context_values",
-                          "context_values_rank", "context_values_log"))
-# The models built on each live config, by its id (a config is not hashable); an entry goes with its config.
-_MODELS_OF_CONFIG: dict[int, weakref.WeakSet] = {}
-
-
-def bind_model(config: CausalQwenConfig, model) -> None:
-    """Route later assignments of `MODEL_FIELDS` on `config` through `model`.
-
-    `model` has `_config_field_changing(name, old, new)`, which raises to refuse the change, and
-    `_config_field_changed(name)`, which applies it to its tensors.
-    """
-    key = id(config)
-    if key not in _MODELS_OF_CONFIG:
-        _MODELS_OF_CONFIG[key] = weakref.WeakSet()
-        weakref.finalize(config, _MODELS_OF_CONFIG.pop, key, None)
-    _MODELS_OF_CONFIG[key].add(model)
 
 
 @strict
@@ -55,6 +34,14 @@ class CausalQwenConfig(Qwen2Config):
     r"""
     Configuration of [`CausalQwenForCausalLM`]: every field of [`Qwen2Config`] (the backbone) plus
     the fields of the numeric embedding, the abduction network and the action network.
+
+    A config is plain data, as transformers' are: it knows no model. Three kinds of field: those read at every use
+    (`scale_min`, the loss's), which an edit changes at once; those that fill tensors when a model is built
+    (`ovr_threshold`, `noise_init`, `abduction_scale_init`, `regression_noise`), which are the tensors' start, so
+    that an edit of them changes no tensor ([`CausalQwenForCausalLM.set_initial_values`] sets them and fills the
+    tensors again); and those that decide the modules (`use_numeric`, `causal_size`, `learnable_threshold`, the
+    `context_values*` fields, whether `regression_noise` is 0, a positive `abduction_anchor_weight`, which needs
+    the anchor), with which a built model refuses to run or to be saved once they no longer describe it.
 
     Args:
         num_token_id (`int`, *optional*):
@@ -172,17 +159,11 @@ class CausalQwenConfig(Qwen2Config):
         # both fields in any order. The annotations above are strings (`from __future__ import annotations`),
         # which `@strict` does not check: these checks raise a plain TypeError/ValueError that names the field.
         if name in _CHECKED_FIELDS:
-            self._check_field(name, value)
-        models = []
-        if name in MODEL_FIELDS and value != self.__dict__.get(name, value):
-            models = list(_MODELS_OF_CONFIG.get(id(self), ()))
-        for model in models:
-            model._config_field_changing(name, getattr(self, name), value)
+            self.check_field(name, value)
         super().__setattr__(name, value)
-        for model in models:
-            model._config_field_changed(name)
 
-    def _check_field(self, name: str, value) -> None:
+    def check_field(self, name: str, value) -> None:
+        """Raise a TypeError or ValueError naming `name` if `value` is not one the field takes (on its own)."""
         if name in _BOOL_FIELDS:
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
@@ -214,7 +195,7 @@ class CausalQwenConfig(Qwen2Config):
     def _check_causal_fields(self) -> None:
         """Check every causal field and the relations between fields; a plain ValueError/TypeError names the field."""
         for name in sorted(_CHECKED_FIELDS):
-            self._check_field(name, getattr(self, name))
+            self.check_field(name, getattr(self, name))
         if self.regression_noise is None:
             raise TypeError("regression_noise must be a number, got NoneType")
         if self.causal_size != self.hidden_size:

@@ -1,7 +1,10 @@
 """The model's tensors and its config: a built or loaded model stays the one its config says.
 
-- A field that decides the model's modules cannot be edited on a built model's config (`check_config_edit`); a field
-  that fills tensors fills them again when edited (`fill_from_config`).
+The config is plain data and knows no model; the model reads it.
+
+- A field that decides the model's modules, edited on a built model's config, stops its forward and its save with a
+  `ValueError` naming the field (`check_config_matches_modules`); a field that fills tensors is their start, filled
+  again by the explicit `CausalQwenForCausalLM.set_initial_values` (`fill_from_config`).
 - A config field that only fills tensors when the model is built (`FILLED_TENSORS`), given to `from_pretrained` or
   changed by a `config=` from the saved config, fills them again after loading (`load_fills`).
 - A checkpoint that lacks one of CausalQwen's own tensors raises a `ValueError` naming them, instead of their being
@@ -26,12 +29,12 @@ from pathlib import Path
 import torch
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-from .configuration import CausalQwenConfig, bind_model
+from .configuration import CausalQwenConfig
 from .migrations import ADDED
 from .modelcard import write_model_card
 
-__all__ = ["FILLED_TENSORS", "CausalQwenLoadingMixin", "check_config_edit", "check_missing_keys", "fill_from_config",
-           "inverse_softplus", "load_fills", "restore_weight_modes"]
+__all__ = ["FILLED_TENSORS", "CausalQwenLoadingMixin", "check_config_matches_modules", "check_missing_keys",
+           "fill_from_config", "inverse_softplus", "load_fills", "module_fields", "restore_weight_modes"]
 
 # Fields that decide a model's modules when it is built: a built model cannot follow an edit of them.
 _MODULE_FIELDS = {
@@ -42,8 +45,8 @@ _MODULE_FIELDS = {
     "context_values_rank": "the size of abduction.context_values",
     "context_values_log": "the logarithm abduction.context_values sums (its weights were fitted to it)",
 }
-# Fields that only fill tensors when a model is built, and those tensors: an edit of the field (or a value given to
-# `from_pretrained`) fills them again, so that the model is the one its config describes.
+# Fields that only fill tensors when a model is built, and those tensors: a value given to `from_pretrained` (or to
+# `set_initial_values`) fills them again, so that the model is the one its config describes.
 FILLED_TENSORS = {
     "ovr_threshold": ("action.threshold",),
     "noise_init": ("action.b_noise",),
@@ -68,18 +71,40 @@ def inverse_softplus(y: float) -> float:
     return y + math.log(-math.expm1(-y))
 
 
-def check_config_edit(model, name: str, old, new) -> None:
-    """Refuse an edit of `config.<name>` that the built `model` cannot follow: the field decides its modules."""
-    if name in _MODULE_FIELDS or (name == "regression_noise" and (old > 0) != (new > 0)):
-        what = _MODULE_FIELDS.get(name, "whether action.reg_log_noise exists (0 or not)")
-        raise ValueError(
-            f"{name} decides {what} when the model is built, and this config belongs to a built model: "
-            f"build the model with {name}={new!r} instead (CausalQwenForCausalLM.from_qwen(..., {name}=...), or "
-            f"from_pretrained(..., {name}=...))"
-        )
-    if name == "abduction_anchor_weight" and new > 0 and model.abduction_anchor is None:
-        raise ValueError("abduction_anchor_weight > 0 needs the frozen anchor copy of the abduction network, which "
-                         f"this model has not got: call model.enable_abduction_finetuning({new!r})")
+def module_fields(config: CausalQwenConfig) -> dict:
+    """What the fields that decide the modules say of them (`regression_noise`: whether it is positive).
+
+    A model keeps what its config said when it was built (`CausalQwenForCausalLM.__init__`), for
+    `check_config_matches_modules`: a record rather than a look at the modules, which wrappers (PEFT's
+    `modules_to_save`) and sharding engines replace.
+    """
+    fields = {name: getattr(config, name) for name in _MODULE_FIELDS}
+    fields["regression_noise"] = config.regression_noise > 0
+    return fields
+
+
+def check_config_matches_modules(model) -> None:
+    """Raise a `ValueError` naming the field when `model.config` no longer describes the modules `model` was built with.
+
+    The config knows no model, so an edit of a field that decides the modules is stored; the model refuses it here,
+    at its forward and its save, rather than computing or writing another model than its config says.
+    """
+    config = model.config
+    now = module_fields(config)
+    for name, built in model.built_module_fields.items():
+        if now[name] != built:
+            what = _MODULE_FIELDS.get(name, "whether action.reg_log_noise exists (0 or not)")
+            value = getattr(config, name)
+            raise ValueError(
+                f"config.{name} is {value!r}, which does not describe this model: {name} decides {what} when the "
+                f"model is built. Set it back, or build the model with {name}={value!r} "
+                f"(CausalQwenForCausalLM.from_qwen(..., {name}=...), or from_pretrained(..., {name}=...))"
+            )
+    weight = config.abduction_anchor_weight
+    if weight > 0 and model.abduction_anchor is None:
+        raise ValueError(f"config.abduction_anchor_weight is {weight!r}, which needs the frozen anchor copy of the "
+                         f"abduction network that this model has not got: call "
+                         f"model.enable_abduction_finetuning({weight!r})")
 
 
 @torch.no_grad()
@@ -147,21 +172,40 @@ def _fields_changed_from_saved(args: tuple, kwargs: dict) -> frozenset:
 
 
 class CausalQwenLoadingMixin:
-    """The loading and saving of `CausalQwenForCausalLM`, and its bond to its config (`configuration.bind_model`)."""
+    """The loading and saving of `CausalQwenForCausalLM`, and the explicit refill of the tensors its config starts."""
 
     # The bare backbone, which `AutoModel` gives for the config: saved remote code names it in the `auto_map`.
     _backbone_class: type | None = None
 
-    def __setstate__(self, state) -> None:
-        # A copy (copy.deepcopy, pickle) has a config of its own, whose edits must reach the copy.
-        super().__setstate__(state)
-        bind_model(self.config, self)
+    def set_initial_values(self, **fields: float) -> None:
+        """Set config fields that start tensors when the model is built, and fill those tensors again from them.
 
-    def _config_field_changing(self, name: str, old, new) -> None:
-        check_config_edit(self, name, old, new)  # refuses an edit of a field that decides the model's modules
+        The fields are `ovr_threshold` (`action.threshold`, every class), `noise_init` (`action.b_noise`),
+        `abduction_scale_init` (`abduction.scale_net`: the constant scale γ0 at every position) and
+        `regression_noise` (γ_Y, `action.reg_log_noise`). What training learned in those tensors is overwritten.
+        Assigning such a field to `model.config` instead changes the config alone, as in transformers, where a
+        config is plain data: `model.set_initial_values(ovr_threshold=20.0)` is the edit that reaches the model.
 
-    def _config_field_changed(self, name: str) -> None:
-        fill_from_config(self, name)  # fills the tensors the field initialises
+        Raises:
+            TypeError: a name that is not one of these fields, or a value of the wrong type (naming the field).
+            ValueError: a value the field refuses, or a `regression_noise` that would create or remove γ_Y (0 on a
+                model that has it, or positive on one without it: that decides the modules); nothing is changed.
+        """
+        unknown = sorted(set(fields) - set(FILLED_TENSORS))
+        if unknown:
+            raise TypeError(f"set_initial_values takes {', '.join(FILLED_TENSORS)}, got {', '.join(unknown)}: "
+                            "other fields are read at every use, or decide the modules when the model is built")
+        for name, value in fields.items():
+            self.config.check_field(name, value)
+        noise = fields.get("regression_noise")
+        if noise is not None and (noise > 0) != (self.action.reg_log_noise is not None):
+            raise ValueError(f"regression_noise={noise!r} would {'create' if noise > 0 else 'remove'} "
+                             "action.reg_log_noise, which is decided when the model is built: build the model with "
+                             f"regression_noise={noise!r} instead (from_qwen(..., regression_noise=...), or "
+                             "from_pretrained(..., regression_noise=...))")
+        for name, value in fields.items():
+            setattr(self.config, name, value)
+            fill_from_config(self, name)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
@@ -188,9 +232,13 @@ class CausalQwenLoadingMixin:
     def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`, plus a model card (README.md) when the folder has none.
 
+        A config whose fields no longer describe the model's modules raises a `ValueError` naming the field, before
+        anything is written (`check_config_matches_modules`).
+
         A model whose code is saved beside the weights (`register_for_auto_class`, done by `import causal_qwen`)
         also names its backbone for `AutoModel` in the config's `auto_map`, as the registered `AutoModel` does.
         """
+        check_config_matches_modules(self)
         if self._auto_class is not None and self._backbone_class is not None:
             auto_map = dict(getattr(self.config, "auto_map", None) or {})
             backbone = self._backbone_class

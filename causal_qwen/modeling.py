@@ -4,8 +4,8 @@ Read top to bottom, as Qwen2's modeling file: the three small modules of docs/de
 every use of the heads, and hands them with the targets to `loss.causal_qwen_loss`), the pretrained-model base with
 its initialisation (§3), the bare backbone, and `CausalQwenForCausalLM`, whose forward reads embed → backbone →
 abduction → heads and loss. What is not the model lives beside it: `distributed` (DDP, FSDP, DeepSpeed), `loading`
-(`from_pretrained`, `save_pretrained`, config edits), `migrations` (older checkpoints), `finetuning` (what trains),
-`forward_guard` (TRL's fused head).
+(`from_pretrained`, `save_pretrained`, `set_initial_values`), `migrations` (older checkpoints), `finetuning` (what
+trains), `forward_guard` (TRL's fused head).
 """
 
 # No `from __future__ import annotations` here: transformers reads the forward's `**kwargs: Unpack[TransformersKwargs]`
@@ -25,7 +25,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from . import cauchy
 from .cauchy import symlog, untransform_values
 from .checks import check_forward_inputs, check_values_in_range
-from .configuration import CausalQwenConfig, bind_model
+from .configuration import CausalQwenConfig
 from .context_values import CausalQwenContextValues, ContextRead
 from .conversion import convert_qwen
 from .distributed import (
@@ -39,7 +39,7 @@ from .finetuning import apply_freeze_backbone, enable_abduction_finetuning
 from .forward_guard import KeepsOwnForward
 from .generation import CausalGenerationState, CausalQwenGenerationMixin
 from .labels import LossTargets
-from .loading import CausalQwenLoadingMixin, inverse_softplus
+from .loading import CausalQwenLoadingMixin, check_config_matches_modules, inverse_softplus, module_fields
 from .loss import AnchorTerm, DecisionScores, FusedHead, LossOptions, Tiling, causal_qwen_loss
 from .migrations import ADDED, register_checkpoint_conversions, upgrade_state_dict
 from .next_value import next_values
@@ -439,9 +439,10 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenLoadingMixin, K
         self.abduction = CausalQwenAbduction(config)
         self.action = CausalQwenAction(config)
         self.abduction_anchor = CausalQwenAbduction(config) if config.abduction_anchor_weight > 0 else None
+        # What the config said of the modules when they were built: an edit of it since stops the forward and the save.
+        self.built_module_fields = module_fields(config)
         self.post_init()
         self.apply_freeze_backbone()
-        bind_model(config, self)
 
     @can_return_tuple
     def forward(
@@ -468,6 +469,8 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenLoadingMixin, K
         (set by `generate`) runs the heads in its mode. `kwargs` go to the backbone, but for the loss's keywords."""
         # Keywords, not parameters: Trainer takes each forward parameter named "*label*" for a label it must be given.
         loss_kwargs = {name: kwargs.pop(name, None) for name in _LOSS_KEYWORDS}
+        if not torch.compiler.is_compiling():
+            check_config_matches_modules(self)  # the config is plain data: a field edited since the build stops here
         check_forward_inputs(self.config, input_ids, numeric_values, inputs_embeds, labels, numeric_labels,
                              loss_kwargs["shift_labels"], loss_kwargs["shift_numeric_labels"])
         if numeric_values is not None and self.config.use_numeric and not torch.compiler.is_compiling():

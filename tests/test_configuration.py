@@ -172,46 +172,96 @@ def test_a_field_given_to_from_pretrained_fills_the_tensors_it_initialises(tmp_p
     assert noisy.action.reg_log_noise.exp().item() == pytest.approx(0.5)
 
 
-def test_an_edit_of_the_config_reaches_the_live_model_or_is_refused(tmp_path, tiny_qwen):
-    model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM).eval()
+def test_set_initial_values_fills_the_tensors_a_config_edit_leaves(tmp_path, tiny_qwen):
+    model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM, learnable_threshold=True).eval()
     ids = torch.tensor([[1, 2, 3]])
-    model.config.ovr_threshold = 20.0
-    assert torch.equal(model.action.threshold, torch.full((128,), 20.0))
-    model.config.noise_init = 0.25
+    with torch.no_grad():
+        model.action.threshold[:3] = -1.0  # as training leaves it
+    learned = model.action.threshold.detach().clone()
+    # The config is plain data: an edit of a field that starts tensors changes the config alone.
+    model.config.ovr_threshold = 7.0
+    assert torch.equal(model.action.threshold.detach(), learned)
+    # The explicit edit changes both, and overwrites what was learned.
+    model.set_initial_values(ovr_threshold=20.0, noise_init=0.25, abduction_scale_init=0.5, regression_noise=0.125)
+    assert (model.config.ovr_threshold, model.config.noise_init) == (20.0, 0.25)
+    assert isinstance(model.action.threshold, torch.nn.Parameter)
+    assert torch.equal(model.action.threshold.detach(), torch.full((128,), 20.0))
     assert torch.equal(model.action.b_noise.detach(), torch.full((32,), 0.25))
-    model.config.abduction_scale_init = 0.5
-    model.config.regression_noise = 0.125
     assert model.action.reg_log_noise.exp().item() == pytest.approx(0.125)
     with torch.no_grad():
-        before = model(ids)
-    torch.testing.assert_close(before.scale_U, torch.full_like(before.scale_U, 0.5))
-    # The floor applies at once, in the abduction network and in both heads.
+        out = model(ids)
+    torch.testing.assert_close(out.scale_U, torch.full_like(out.scale_U, 0.5))
+    # Refused, naming the field, with nothing changed: a field that is not one of these, a bad value, and a
+    # regression noise that would remove γ_Y.
+    for fields, kind, name in (({"scale_min": 1.0}, TypeError, "scale_min"),
+                               ({"noise_init": 0.5, "ovr_threshold": math.nan}, ValueError, "ovr_threshold"),
+                               ({"ovr_threshold": "high"}, TypeError, "ovr_threshold"),
+                               ({"noise_init": 0.5, "regression_noise": 0.0}, ValueError, "regression_noise")):
+        with pytest.raises(kind, match=name):
+            model.set_initial_values(**fields)
+        assert model.config.noise_init == 0.25 and model.action.b_noise[0].item() == 0.25
+    # A regression noise between positive values decides no module: the config takes it, γ_Y keeps its value.
+    model.config.regression_noise = 0.5
+    assert model.action.reg_log_noise.exp().item() == pytest.approx(0.125)
+    # A field read at every use applies at once, in the abduction network and in both heads.
     model.config.scale_min = 1.0
     with torch.no_grad():
         out = model(ids)
     for scale in (out.scale_U, out.scale_S, out.scale_Y):
         assert scale.min().item() >= 1.0
-    # A field that decides the modules is refused, and the config keeps its value.
-    for name, value in (("use_numeric", False), ("learnable_threshold", True), ("regression_noise", 0.0),
-                        ("abduction_anchor_weight", 0.5)):
-        kept = getattr(model.config, name)
-        with pytest.raises(ValueError, match=name):
-            setattr(model.config, name, value)
-        assert getattr(model.config, name) == kept
     # The saved model is the live one.
     model.save_pretrained(tmp_path)
     with torch.no_grad():
         reloaded = CausalQwenForCausalLM.from_pretrained(tmp_path)(ids)
-    torch.testing.assert_close(reloaded.loc_S, out.loc_S)
-    torch.testing.assert_close(reloaded.scale_S, out.scale_S)
-    torch.testing.assert_close(reloaded.scale_U, out.scale_U)
-    # A copy follows its own config; a config copied off the model is free again.
+    for name in ("loc_S", "scale_S", "scale_U", "loc_Y", "scale_Y"):
+        torch.testing.assert_close(getattr(reloaded, name), getattr(out, name))
+    # A copy's edit is its own.
     copied = copy.deepcopy(model)
-    copied.config.ovr_threshold = 3.0
+    copied.set_initial_values(ovr_threshold=3.0)
     assert copied.action.threshold[0].item() == 3.0 and model.action.threshold[0].item() == 20.0
+
+
+def test_a_config_knows_no_model(tiny_qwen):
+    """Two models built on one config: an edit of it reaches neither's tensors, and the config keeps neither alive."""
+    import gc
+    import weakref
+
+    first = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM)
+    second = CausalQwenForCausalLM(first.config)
+    assert second.config is first.config
+    first.config.ovr_threshold = 2.0
+    first.config.noise_init = 0.5
+    for model in (first, second):
+        assert torch.equal(model.action.threshold, torch.full((128,), 15.0))
+        assert torch.equal(model.action.b_noise.detach(), torch.full((32,), 1e-5))
+    config, gone = first.config, weakref.ref(first)
+    del first, second, model
+    gc.collect()
+    assert gone() is None and config.ovr_threshold == 2.0
+
+
+@pytest.mark.parametrize("name,value", [("use_numeric", False), ("learnable_threshold", True),
+                                        ("regression_noise", 0.0), ("abduction_anchor_weight", 0.5)])
+def test_a_field_that_decides_the_modules_stops_the_forward_and_the_save(tmp_path, tiny_qwen, name, value):
+    model = CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM).eval()
+    ids = torch.tensor([[1, 2, 3]])
+    kept = getattr(model.config, name)
+    setattr(model.config, name, value)  # plain data: the config takes it
+    with pytest.raises(ValueError, match=name):
+        model(ids)
+    with pytest.raises(ValueError, match=name):
+        model.generate(ids, max_new_tokens=1)
+    with pytest.raises(ValueError, match=name):
+        model.save_pretrained(tmp_path)
+    assert not (tmp_path / "config.json").exists()
+    setattr(model.config, name, kept)  # set back, the model runs and saves again
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).loc_S).all()
+    model.save_pretrained(tmp_path)
+    # A config copied off the model builds a model of its own.
     free = copy.deepcopy(model.config)
     free.use_numeric, free.regression_noise, free.context_values = False, 0.0, False
-    assert not CausalQwenForCausalLM(free).config.use_numeric
+    assert CausalQwenForCausalLM(free).numeric_embedding is None
 
 
 def test_a_checkpoint_missing_a_causal_tensor_is_refused(tmp_path, tiny_qwen):

@@ -254,8 +254,10 @@ def test_the_log_of_values_is_saved_and_a_checkpoint_without_it_loads_with_symlo
         as_symlog = old(ids, numeric_values=values).loc_Y
     torch.testing.assert_close(as_symlog.double(), reference_value(old, ids, values)[0], rtol=2e-5, atol=2e-5)
     assert (as_symlog - as_log)[0, 2:].abs().max() > 1e-3  # the form matters on these values
-    with pytest.raises(ValueError, match="context_values_log"):
-        loaded.config.context_values_log = "symlog"
+    loaded.config.context_values_log = "symlog"  # the config is plain data; the model refuses to run with it
+    with pytest.raises(ValueError, match="context_values_log"), torch.no_grad():
+        loaded(ids, numeric_values=values)
+    loaded.config.context_values_log = "log"
     with pytest.raises(ValueError, match="context_values_log must be one of"):
         CausalQwenConfig(**{**loaded.config.to_dict(), "context_values_log": "ln"})
 
@@ -476,8 +478,10 @@ def test_config_refuses_the_path_without_numbers_and_on_a_built_model(model):
     with pytest.raises(ValueError, match="context_values needs"):
         CausalQwenConfig(vocab_size=128, hidden_size=32, num_attention_heads=4, use_numeric=False,
                          context_values=True)
+    model.config.context_values = False  # the config is plain data; the model refuses to run or be saved with it
     with pytest.raises(ValueError, match="context_values decides"):
-        model.config.context_values = False
+        model(torch.tensor([[1, 2, 3]]))
+    model.config.context_values = True
 
 
 def _repeat_batches(n_batches: int, seed: int):

@@ -538,6 +538,16 @@ def test_text_only_training_step_skips_the_backbone_backward(tiny_qwen):
     assert model.action.cls_head.weight.grad is not None
 
 
+def without_anchor(model, ids, labels, **options):
+    """The model's forward with its anchor and the anchor's weight taken away for the call."""
+    anchor, weight = model.abduction_anchor, model.config.abduction_anchor_weight
+    model.abduction_anchor, model.config.abduction_anchor_weight = None, 0.0
+    try:
+        return model(ids, labels=labels, **options)
+    finally:
+        model.abduction_anchor, model.config.abduction_anchor_weight = anchor, weight
+
+
 def test_abduction_finetuning_with_kl_anchor(tiny_qwen, tmp_path):
     model = build(tiny_qwen).train()
     model.enable_abduction_finetuning(anchor_weight=0.5)
@@ -549,18 +559,15 @@ def test_abduction_finetuning_with_kl_anchor(tiny_qwen, tmp_path):
     labels[0, :2] = -100
     # At the start the anchor equals the abduction network: the KL term and its gradient vanish.
     with_anchor = model(ids, labels=labels, output_distributions=True)
-    model.abduction_anchor, anchor = None, model.abduction_anchor
-    without = model(ids, labels=labels, output_distributions=True)
-    model.abduction_anchor = anchor
+    anchor = model.abduction_anchor
+    without = without_anchor(model, ids, labels, output_distributions=True)
     assert with_anchor.loss.item() == pytest.approx(without.loss.item(), rel=1e-6)
     # Move the abduction network: the loss grows by β · mean over labelled positions of Σ_c KL (closed form).
     with torch.no_grad():
         model.abduction.loc_net.bias.add_(0.3)
         model.abduction.scale_net.bias.add_(0.7)
     out = model(ids, labels=labels, output_distributions=True)
-    model.abduction_anchor = None
-    plain = model(ids, labels=labels, output_distributions=True)
-    model.abduction_anchor = anchor
+    plain = without_anchor(model, ids, labels, output_distributions=True)
     with torch.no_grad():
         z = tiny_qwen.model(ids).last_hidden_state.double()
         g0 = model.config.abduction_scale_init
@@ -989,17 +996,13 @@ def test_abduction_anchor_at_the_smallest_scales_gives_a_finite_loss_and_gradien
     model.enable_abduction_finetuning(anchor_weight=1.0)
     ids = torch.randint(0, 100, (2, 6))
     at_start = model(ids, labels=ids)
-    model.abduction_anchor, anchor = None, model.abduction_anchor
-    without = model(ids, labels=ids)
-    model.abduction_anchor = anchor
+    without = without_anchor(model, ids, ids)
     assert torch.isfinite(at_start.loss) and at_start.loss.item() == pytest.approx(without.loss.item(), rel=1e-6)
     # Scale U by 3 everywhere: each of the C coordinates adds KL = log((1 + 3)² / (4·3)) = log(4/3).
     with torch.no_grad():
         model.abduction.scale_net.bias.fill_(math.log(3e-30))  # softplus(x) = eˣ for x ≪ 0
     out = model(ids, labels=ids)
-    model.abduction_anchor = None
-    plain = model(ids, labels=ids)
-    model.abduction_anchor = anchor
+    plain = without_anchor(model, ids, ids)
     assert out.loss.item() == pytest.approx(plain.loss.item() + 32 * math.log(4 / 3), rel=1e-5)
     out.loss.backward()
     # Every parameter the fine-tuning trains (the context-value path is refitted, not trained: frozen here).
