@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     _check_eval_data(parser, args)
     run = {"convert": run_convert, "generate": run_generate, "value": run_value, "train": run_train,
            "eval": run_eval}[args.command]
-    with quiet_weight_bars():
+    with quiet_weight_bars(), deepspeed_accelerator_named():
         return run(args)
 
 
@@ -307,6 +307,28 @@ def quiet_weight_bars() -> Iterator[None]:
             logging.enable_progress_bar()
         if not hub_bars_on:
             disable_progress_bars()
+
+
+@contextlib.contextmanager
+def deepspeed_accelerator_named() -> Iterator[None]:
+    """Tell DeepSpeed, where it is installed and torch finds no accelerator, that the accelerator is the CPU.
+
+    The commands never use DeepSpeed, but accelerate imports it, where it is installed, each time it unwraps a model
+    (transformers' `save_pretrained` and `Trainer` do: `convert` and `train`), and DeepSpeed, left to find the
+    accelerator itself, logs "[WARNING] Setting accelerator to CPU ..." where there is none. `DS_ACCELERATOR` is the
+    variable DeepSpeed reads for it; one set already is left alone, and the variable goes again on exit.
+    """
+    import importlib.util
+    import os
+
+    if "DS_ACCELERATOR" in os.environ or importlib.util.find_spec("deepspeed") is None or _has_accelerator():
+        yield
+        return
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        yield
+    finally:
+        os.environ.pop("DS_ACCELERATOR", None)
 
 
 def parse_overrides(pairs: list[str]) -> dict:
