@@ -108,7 +108,7 @@ def test_the_guard_keeps_the_best_state_when_training_diverges():
     # The model holds the state of the read-out trained on every row after as many steps (the start at step 0).
     w, b = trained[best]
     torch.testing.assert_close(action.reg_head.weight.detach()[0], w0 if best == 0 else w.detach())
-    assert float(action.reg_head.bias) == pytest.approx(1.5 if best == 0 else float(b), rel=1e-12)
+    assert float(action.reg_head.bias.detach()) == pytest.approx(1.5 if best == 0 else float(b.detach()), rel=1e-12)
 
 
 def test_settings_are_frozen_and_checked():
