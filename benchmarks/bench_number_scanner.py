@@ -14,7 +14,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import time
+import timeit
 from collections.abc import Callable
 
 from causal_qwen.numbers import find_numbers
@@ -37,12 +37,7 @@ PATHOLOGICAL: dict[str, Callable[[int], str]] = {
 
 
 def best_time(function: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(timeit.repeat(function, number=1, repeat=repeats))
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
+import timeit
 from collections.abc import Callable
 from pathlib import Path
 
@@ -112,12 +112,7 @@ def numbers_and_separators(megabytes: float, seed: int = 0) -> str:
 
 
 def best_time(function: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(timeit.repeat(function, number=1, repeat=repeats))
 
 
 def main() -> None:
