@@ -111,6 +111,70 @@ def test_the_guard_keeps_the_best_state_when_training_diverges():
     assert float(action.reg_head.bias.detach()) == pytest.approx(1.5 if best == 0 else float(b.detach()), rel=1e-12)
 
 
+class _Abduction(torch.nn.Module):
+    """What the learner reads of the abduction network: loc_U = W·z + b, and the path's width map of z (or none)."""
+
+    def __init__(self, hidden: int, causal: int, path: bool, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.loc_net = torch.nn.Linear(hidden, causal).double()
+        self.context_values = None
+        if path:
+            self.context_values = torch.nn.Module()
+            self.context_values.width = torch.nn.Linear(hidden, 1).double()
+
+
+def _two_kinds(n: int = 1000, hidden: int = 6, causal: int = 5):
+    """Rows of two kinds far apart in loc_U, every width 1 (γ_Y = 1, ρ = 1, no spread of the read-out's own), the
+    start missing every row by 1; and the locations of a read-out that misses the first kind by 0.25 and the second
+    by 1, as it did."""
+    g = torch.Generator().manual_seed(5)
+    abduction = _Abduction(hidden, causal, path=True)
+    z = torch.randn(n, hidden, generator=g, dtype=torch.float64)
+    kind = torch.arange(n) % 2 == 0
+    z[kind, 0] += 8.0
+    with torch.no_grad():
+        x = abduction.loc_net(z)
+    ones, zeros = torch.ones(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    y = torch.randn(n, generator=g, dtype=torch.float64)
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
+    rows = LearningRows(x, torch.zeros_like(x), ones, zeros, ones, y, torch.arange(n) % 5 < 2)
+    learnt = y + sign * torch.where(kind, 0.25, 1.0)
+    return abduction, z, kind, rows, y + sign, learnt
+
+
+def test_the_widths_follow_the_misses_of_each_kind_of_row():
+    """A kind of row the read-out learnt to miss 4× less gets a width 4× narrower; the other keeps its own. The map
+    is written in the path's width map of z, through loc_U = W·z + b."""
+    abduction, z, kind, rows, start, learnt = _two_kinds()
+    action = _Action(torch.zeros(rows.x.shape[1], dtype=torch.float64), 0.0, 1.0)
+    width = abduction.context_values.width
+    before = width(z).detach().squeeze(-1)
+    learner = ValueLearner(action, rows, ValueLearning(), penalty=1.0, start_locations=start, abduction=abduction)
+    assert torch.equal(width(z).detach().squeeze(-1), before)  # nothing moves before a state is written
+    alpha, beta = learner.width_map(learnt[rows.held])
+    moved = rows.x @ alpha + beta
+    # The ridge holds the map a little short of log 4 between the kinds: within 10% of each width.
+    assert float(moved[kind].exp().median()) == pytest.approx(0.25, rel=0.1)
+    assert float(moved[~kind].exp().median()) == pytest.approx(1.0, rel=0.1)
+    learner._follow_widths(learnt[rows.held])
+    torch.testing.assert_close(width(z).detach().squeeze(-1) - before, moved, rtol=1e-9, atol=1e-9)
+    learner._follow_widths(start[rows.held])  # the start's misses again: the start's widths, not a sum of moves
+    torch.testing.assert_close(width(z).detach().squeeze(-1), before, rtol=1e-9, atol=1e-9)
+
+
+def test_without_the_path_the_value_width_moves_by_the_maps_mean():
+    abduction, z, kind, rows, start, learnt = _two_kinds()
+    abduction.context_values = None
+    action = _Action(torch.zeros(rows.x.shape[1], dtype=torch.float64), 0.0, 1.0)
+    learner = ValueLearner(action, rows, ValueLearning(), penalty=1.0, start_locations=start, abduction=abduction)
+    alpha, beta = learner.width_map(learnt[rows.held])
+    learner._follow_widths(learnt[rows.held])
+    mean = float((rows.x[rows.held] @ alpha + beta).mean())
+    assert float(action.reg_log_noise) == pytest.approx(mean, rel=1e-9)
+    assert mean == pytest.approx((math.log(0.25) + 0.0) / 2, rel=0.1)  # half the rows of each kind
+
+
 def test_settings_are_frozen_and_checked():
     settings = ValueLearning()
     with pytest.raises(dataclasses.FrozenInstanceError):

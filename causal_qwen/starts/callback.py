@@ -228,7 +228,8 @@ class ValueHeadStartCallback(TrainerCallback):
                 start = read_value_rows(model, self._train_rows(), max_positions=self.max_positions)
             except NotEnoughNumbersError:
                 return
-        self.learner = ValueLearner(model.action, start.rows, self.learning, start.fit.penalty, start.start_locations)
+        self.learner = ValueLearner(model.action, start.rows, self.learning, start.fit.penalty, start.start_locations,
+                                   abduction=model.abduction)
         self._start = None  # the rows live in the learner now
         if self.trainer.is_world_process_zero():
             logger.warning(f"value side: {int((~start.rows.held).sum())} rows train the read-out from its start, "

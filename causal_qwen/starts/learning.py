@@ -20,6 +20,13 @@ best so far and no kind of held-out row (a cluster of their features: in practic
 by more than 0.01, the model gets the state of the read-out trained on every row after as many steps; a state no
 better than the start never replaces it. The start itself is scored there by its leave-one-out locations (it was
 fitted on every row).
+
+The widths follow the errors: the start's widths were calibrated to the start's misses, and a read-out that learns
+misses less on some kinds of rows than on others (a ratio of stated values three times less, a price hardly less), so
+with the start's widths its 50% intervals held 0.95 of a ratio's test targets. Wherever the model gets a state, each
+held-out row's log ratio of the monitor's miss to the start's is regressed (ridge) on the rows' leading principal
+coordinates, and the value's width log ρ gets that map, through the abduction's linear loc_U, in the path's width map
+(with the path; γ_Y gets its mean without it).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cauchy import nll
+from .path import _CALIBRATION_DIMS, _CALIBRATION_RIDGE
 
 __all__ = ["ValueLearning", "ValueLearner", "LearningRows", "LearningRecord"]
 
@@ -42,6 +50,16 @@ _KIND_SLACK = 0.01
 _KIND_SHARE = 0.1
 _ROWS_PER_KIND = 20
 _MAX_KINDS = 8
+# Misses below this (head space, about a relative error) are exact: a copy's miss is float rounding, and its ratio to
+# another is noise; a row exact at both states keeps its width.
+_EXACT_MISS = 1e-6
+# Where the read-out's own spread is wider than a row's width should be, the path's part of it falls to this share.
+_LEAST_SHARE = 0.1
+# The widths' map reads at most one principal coordinate per this many held-out rows (the path's calibration reads one
+# per 25): with 64 held-out rows over five tasks, two coordinates moved one task's widths by what another learnt
+# (humidity's 50% intervals from 0.58 to 0.82 of its test targets, docs/experiments.md), and fewer rows fit the shift
+# alone.
+_ROWS_PER_MAP_DIM = 100
 
 
 def kinds_of(x: torch.Tensor) -> torch.Tensor:
@@ -206,10 +224,13 @@ class ValueLearner:
     docs/experiments.md, "Numbers that learn")."""
 
     def __init__(self, action, rows: LearningRows, settings: ValueLearning, penalty: float,
-                 start_locations: torch.Tensor | None = None):
+                 start_locations: torch.Tensor | None = None, abduction=None):
         """`start_locations` `[N]`: the start's locations as it predicts rows it did not see, where it was fitted on
-        every row (a start from data); None: the model as it is is the start (a checkpoint on new data)."""
+        every row (a start from data); None: the model as it is is the start (a checkpoint on new data).
+        `abduction`: the model's abduction network, whose linear loc_U carries the widths' map into the path's width
+        map (None: the widths stay the start's)."""
         self.action, self.rows, self.settings = action, rows, settings
+        self.abduction = abduction
         self.start_locations, self.penalty = start_locations, penalty
         head = action.reg_head
         w0 = head.weight.detach().double().cpu()[0].clone()
@@ -227,6 +248,13 @@ class ValueLearner:
         self.steps = 0
         self.kinds = kinds_of(rows.x[rows.held])
         held_start = None if start_locations is None else start_locations[rows.held]
+        if held_start is None:
+            with torch.no_grad():
+                held_start, _ = self.monitor.locations(rows.held)
+        self.start_misses = (held_start - rows.y[rows.held]).abs()
+        with torch.no_grad():
+            self.start_scales = self.readout.locations(rows.held)[1]
+        self.start_widths = self._width_state()
         start = self._held_out_error(held_start)
         self.best_by_kind = self._errors_by_kind(held_start)
         self.record = LearningRecord(start_error=start, best_error=start)
@@ -263,6 +291,7 @@ class ValueLearner:
             self.record.best_error, self.record.best_step = error, self.steps
             self.best_by_kind = by_kind
             self._write()
+            self._follow_widths(held_locations)
         return error
 
     @torch.no_grad()
@@ -280,3 +309,59 @@ class ValueLearner:
         head = self.action.reg_head
         head.weight.copy_(w.to(head.weight)[None])
         head.bias.copy_(b.to(head.bias))
+
+    def _width_state(self) -> dict[str, torch.Tensor] | None:
+        """The start's width parameters the learner moves: the path's width map, or γ_Y without the path; None where
+        the value has no width of its own (γ_Y = 0) or the learner was given no abduction network."""
+        if self.abduction is None or self.noise == 0.0:
+            return None
+        path = self.abduction.context_values
+        if path is not None:
+            return {"weight": path.width.weight.detach().clone(), "bias": path.width.bias.detach().clone()}
+        return {"log_noise": self.action.reg_log_noise.detach().clone()}
+
+    def width_map(self, held_locations: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """(α `[C]`, β): log ρ moves by α·x + β, the ridge regression on the held-out rows' leading principal
+        coordinates (at most `_CALIBRATION_DIMS`, one per `_ROWS_PER_MAP_DIM` rows) of the change of log ρ that
+        gives each row the start's width times its miss ratio (the monitor's at `held_locations` over the start's;
+        misses below `_EXACT_MISS` count as that). The read-out's own spread π_0·(s·|w|) stays: where it alone is
+        wider than that, ρ's part falls to `_LEAST_SHARE` of it."""
+        r, held = self.rows, self.rows.held
+        x = r.x[held]
+        miss = (held_locations - r.y[held]).abs()
+        wanted = self.start_scales * miss.clamp(min=_EXACT_MISS) / self.start_misses.clamp(min=_EXACT_MISS)
+        with torch.no_grad():
+            spread = r.linear_weight[held] * (r.s[held] @ self.readout.weights()[0].abs())
+        own = self.noise * r.width[held]
+        target = (torch.maximum(wanted - spread, wanted * _LEAST_SHARE) / own).log()
+        n = len(x)
+        dims = min(_CALIBRATION_DIMS, x.shape[1], n // _ROWS_PER_MAP_DIM)
+        mean, std = x.mean(0), x.std(0).clamp(min=1e-6)
+        standard = (x - mean) / std
+        _, singular, vh = torch.linalg.svd(standard, full_matrices=False)
+        # Unit-variance coordinates, so that one ridge weighs each alike.
+        to_coords = vh[:dims].T / (singular[:dims] / math.sqrt(n)).clamp(min=1e-12)
+        design = torch.cat((torch.ones(n, 1, dtype=x.dtype), standard @ to_coords), 1)
+        penalty = torch.full((dims + 1,), _CALIBRATION_RIDGE * n, dtype=x.dtype)
+        penalty[0] = 0.0  # the shift is not penalised
+        fit = torch.linalg.solve(design.T @ design + penalty.diag(), design.T @ target)
+        alpha = (to_coords @ fit[1:]) / std
+        return alpha, float(fit[0] - (alpha * mean).sum())
+
+    @torch.no_grad()
+    def _follow_widths(self, held_locations: torch.Tensor) -> None:
+        """Write the start's widths moved by `width_map` into the model."""
+        if self.start_widths is None or not bool(self.rows.held.any()):
+            return
+        alpha, beta = self.width_map(held_locations)
+        path = self.abduction.context_values
+        if path is None:  # one width for every row: the map's mean over the held-out rows
+            shift = beta + float((self.rows.x[self.rows.held] @ alpha).mean())
+            self.action.reg_log_noise.copy_(self.start_widths["log_noise"] + shift)
+            return
+        loc_net = self.abduction.loc_net
+        weight = loc_net.weight.detach().double().cpu()  # loc_U = W·z + b
+        bias = loc_net.bias.detach().double().cpu()
+        start = self.start_widths
+        path.width.weight.copy_((start["weight"].double().cpu() + (alpha @ weight)[None]).to(path.width.weight))
+        path.width.bias.copy_((start["bias"].double().cpu() + alpha @ bias + beta).to(path.width.bias))
