@@ -291,6 +291,7 @@ def main() -> None:
     parser.add_argument("--output", default="runs/numbers_learn")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--orders", type=int, default=5, help="row orders at 64 rows")
+    parser.add_argument("--first-order", type=int, default=0, help="the first of them (to run orders apart)")
     parser.add_argument("--large", type=int, default=512, help="training rows per task of the large run (0: none)")
     args = parser.parse_args()
     out = Path(args.output)
@@ -299,7 +300,7 @@ def main() -> None:
     results: dict = {"runs": {}}
     train64, test = split(every, 64, draw=0)
     results["baselines64"] = baselines(train64, test, args.qwen)
-    for order in range(args.orders):
+    for order in range(args.first_order, args.first_order + args.orders):
         results["runs"][f"64 order {order}"] = run(args.causal, train64, test, args.steps, out, seed=order,
                                                     tag=f"64_{order}")
         (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
