@@ -32,7 +32,6 @@ from .readout import (
     refit_value_readout,
     ridge_readout,
     start_value_side,
-    value_head_rows,
 )
 
 __all__ = [
@@ -54,6 +53,5 @@ __all__ = [
     "refit_value_readout",
     "ridge_readout",
     "start_value_side",
-    "value_head_rows",
     "value_side_parameters",
 ]

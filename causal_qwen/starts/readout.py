@@ -48,8 +48,7 @@ from .learning import LearningRows, kinds_of, kinds_score
 from .path import ContextRows, fit_context_values, one_thread
 
 __all__ = ["NotEnoughNumbersError", "ValueHeadFit", "ValueStart", "fit_value_head", "known_next_tokens",
-           "num_decision_start", "read_value_rows", "refit_value_readout", "ridge_readout", "start_value_side",
-           "value_head_rows"]
+           "num_decision_start", "read_value_rows", "refit_value_readout", "ridge_readout", "start_value_side"]
 
 PENALTIES = (0.1, 1.0, 10.0, 100.0, 1000.0, 10000.0)
 """Ridge penalties tried, on features standardised to unit variance (the penalty is in units of positions)."""
@@ -283,17 +282,6 @@ def _read_rows_in_eval(model, batches: Iterable[Mapping[str, torch.Tensor]], max
         return _read_rows(model, batches, max_positions, max_decision_positions)
     finally:
         model.train(was_training)
-
-
-def value_head_rows(
-    model, batches: Iterable[Mapping[str, torch.Tensor]], max_positions: int = 4096
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(x, y)` float64 on the CPU: loc_U `[N, C]` at the positions whose next label is `<NUM>`, and the true values
-    `[N]` in the head's space. Batches are what the model's forward takes (`input_ids`, `numeric_values`,
-    `labels`, optional `numeric_labels`, `attention_mask`); reading stops once `max_positions` rows are in.
-    """
-    rows = _read_rows(model, batches, max_positions)
-    return rows.x, rows.y
 
 
 def _num_f1(chosen: torch.Tensor, truth: torch.Tensor) -> float:
