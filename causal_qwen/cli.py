@@ -13,14 +13,19 @@ import ast
 import contextlib
 import functools
 import json
+import math
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 from .generation_modes import DECISION_RULES
 from .generation_options import GenerationOptionError, check_generation_options
+from .numbers import format_number, round_to_interval, supported_place
 
 __all__ = ["main", "build_parser"]
+
+_FULL_PRECISION_HELP = ("write every digit of each number (by default a number keeps the digits its 50%% interval "
+                        "supports: down to the second significant digit of the interval's half-width)")
 
 DESCRIPTION = """\
 CausalQwen: Qwen2 models that read numbers as values, decide each token with One-vs-Rest Cauchy
@@ -95,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--intervals", action="store_true",
                           help="print the 90%% interval of every generated number (a freshly converted model "
                                "rarely writes one: it says so)")
+    generate.add_argument("--full-precision", action="store_true", help=_FULL_PRECISION_HELP)
 
     train = commands.add_parser("train", help="fine-tune the causal heads (backbone frozen) with Trainer",
                                 description="Train with transformers' Trainer on the built-in numeric corpus or "
@@ -139,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             "PROMPT asks for next (model.next_value).")
     value.add_argument("model", help="CausalQwen folder")
     value.add_argument("prompt", nargs="+", help="one or more prompts, each ending where its number would start")
+    value.add_argument("--full-precision", action="store_true", help=_FULL_PRECISION_HELP)
 
     evaluate = commands.add_parser("eval", help="metrics table and plots",
                                    description="Evaluate every metric (docs/design.md §6) and write PNG plots.")
@@ -375,6 +382,20 @@ def _load(path: str):
     return model, tokenizer
 
 
+def _written(numbers: tuple[float, ...], supported: tuple[float, float, float] | None) -> list[str]:
+    """`numbers` as digits: rounded to the place the `supported` (median, 50% low, 50% high) allows, or every
+    digit where None."""
+    place = None if supported is None else supported_place(*supported)
+    return [str(n) if not math.isfinite(n) else format_number(n if place is None else round(n, place))
+            for n in numbers]
+
+
+def _say_rounding(full_precision: bool) -> None:
+    if not full_precision:
+        print("(numbers rounded to the digits their 50% interval supports; --full-precision writes every digit)",
+              file=sys.stderr)
+
+
 def run_value(args) -> int:
     import warnings
 
@@ -384,9 +405,11 @@ def run_value(args) -> int:
         values = model.next_value(tokenizer, args.prompt)
     for prompt, value in zip(args.prompt, values, strict=True):
         (low50, high50), (low90, high90) = value.intervals[0.5], value.intervals[0.9]
+        supported = None if args.full_precision else (value.median, low50, high50)
+        median, low50, high50, low90, high90 = _written((value.median, low50, high50, low90, high90), supported)
         note = "" if value.writes_number else "  (the model's next token here is not <NUM>)"
-        print(f"{prompt}{value.separator}{value.median:.6g}  50% [{low50:.6g}, {high50:.6g}]  "
-              f"90% [{low90:.6g}, {high90:.6g}]{note}")
+        print(f"{prompt}{value.separator}{median}  50% [{low50}, {high50}]  90% [{low90}, {high90}]{note}")
+    _say_rounding(args.full_precision)
     return 0
 
 
@@ -402,29 +425,43 @@ def run_generate(args) -> int:
         **batch, mode=args.mode, shared_individual=args.shared_individual, shared_noise=args.shared_noise,
         do_sample=args.do_sample or None, max_new_tokens=args.max_new_tokens,
         generator=torch.Generator().manual_seed(args.seed), return_dict_in_generate=True,
-        output_value_scores=args.intervals, pad_token_id=tokenizer.pad_token_id, **sampling,
+        output_value_scores=True, pad_token_id=tokenizer.pad_token_id, **sampling,
     )
     start = batch["input_ids"].shape[1]
     for row, prompt in enumerate(args.prompt):
-        text = tokenizer.decode(out.sequences[row, start:], numeric_values=out.numeric_values[row, start:],
-                                skip_special_tokens=True)
+        values = out.numeric_values[row, start:].clone()
+        if not args.full_precision and out.loc_Y is not None:
+            for step in _number_steps(model, out, row, start):
+                _, low, high = model.value_interval(out.loc_Y[row, step], out.scale_Y[row, step], 0.5)
+                written = float(values[step])  # sampled modes write a draw, which the interval may not hold
+                values[step] = round_to_interval(written, min(low.item(), written), max(high.item(), written))
+        text = tokenizer.decode(out.sequences[row, start:], numeric_values=values, skip_special_tokens=True)
         print(prompt + text)
         if args.intervals:
-            _print_intervals(model, out, row, start)
+            _print_intervals(model, out, row, start, args.full_precision)
+    if out.loc_Y is not None:
+        _say_rounding(args.full_precision)
     return 0
 
 
-def _print_intervals(model, out, row: int, start: int) -> None:
+def _number_steps(model, out, row: int, start: int) -> list[int]:
+    return (out.sequences[row, start:] == model.config.num_token_id).nonzero().flatten().tolist()
+
+
+def _print_intervals(model, out, row: int, start: int, full_precision: bool) -> None:
     """One line per generated number; one line saying why when there is none, rather than silence."""
     if out.loc_Y is None:
         print("  (no interval: this model has no regression head)")
         return
-    steps = (out.sequences[row, start:] == model.config.num_token_id).nonzero().flatten().tolist()
+    steps = _number_steps(model, out, row, start)
     if not steps:
         print("  (no number generated: no interval)")
     for step in steps:
-        median, low, high = model.value_interval(out.loc_Y[row, step], out.scale_Y[row, step], 0.9)
-        print(f"  number {median.item():.6g}: 90% interval [{low.item():.6g}, {high.item():.6g}]")
+        loc, scale = out.loc_Y[row, step], out.scale_Y[row, step]
+        median, low, high = (t.item() for t in model.value_interval(loc, scale, 0.9))
+        supported = None if full_precision else tuple(t.item() for t in model.value_interval(loc, scale, 0.5))
+        median, low, high = _written((median, low, high), supported)
+        print(f"  number {median}: 90% interval [{low}, {high}]")
 
 
 def _examples(args, split: str | None = None, n: int | None = None) -> list:

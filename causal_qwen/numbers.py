@@ -27,7 +27,8 @@ import unicodedata
 from decimal import Decimal
 from typing import NamedTuple
 
-__all__ = ["NumberSpan", "find_numbers", "format_number", "parse_number", "scan_numbers"]
+__all__ = ["NumberSpan", "find_numbers", "format_number", "parse_number", "round_to_interval", "scan_numbers",
+           "supported_place"]
 
 # Digits that form numbers: ASCII and full-width (U+FF10..U+FF19). Python's `float` and `Decimal` read both.
 _DIGIT = "[0-9\uff10-\uff19]"
@@ -167,6 +168,33 @@ def format_number(value: float) -> str:
     mantissa, _, exponent = repr(value).partition("e")
     mantissa = mantissa.removesuffix(".0")
     return f"{mantissa}e{int(exponent)}" if exponent else mantissa
+
+
+def supported_place(value: float, low: float, high: float) -> int | None:
+    """
+    The decimal place a value's interval supports: `round(value, place)` keeps the digits down to the second
+    significant digit of the interval's half-width (high − low)/2, and at least the value's leading digit. A
+    half-width of 2.85 keeps tenths (29.21944 → 29.2), one of 800 keeps tens (6912.3 → 6910).
+
+    Args:
+        value, low, high (`float`): A median and the bounds of its interval, `low <= value <= high`.
+
+    Returns:
+        `int | None`: The `ndigits` of Python's `round`; None where every digit stands (a width of 0, or a value of
+        0) or none does (a bound that is not finite).
+    """
+    half = (high - low) / 2
+    if not (math.isfinite(half) and math.isfinite(value)) or half <= 0 or value == 0:
+        return None
+    place = 1 - math.floor(math.log10(half))
+    return max(place, -math.floor(math.log10(abs(value))))
+
+
+def round_to_interval(value: float, low: float, high: float) -> float:
+    """`value` rounded to the place its interval supports ([`supported_place`]); unchanged where it gives none.
+    A value copied exactly has an interval far narrower than its last digit, and keeps every digit."""
+    place = supported_place(value, low, high)
+    return value if place is None else round(value, place)
 
 
 def _is_glue(char: str) -> bool:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -206,16 +207,26 @@ def test_intervals_say_when_no_number_was_generated(capsys):
     model = CausalQwenForCausalLM(config).eval()
     loc_y, scale_y = torch.tensor([[0.5, 1.0, 2.0]]), torch.tensor([[0.1, 0.1, 0.2]])
     without = SimpleNamespace(sequences=torch.tensor([[7, 8, 9, 10, 11]]), loc_Y=loc_y, scale_Y=scale_y)
-    _print_intervals(model, without, row=0, start=2)
+    _print_intervals(model, without, row=0, start=2, full_precision=False)
     assert capsys.readouterr().out == "  (no number generated: no interval)\n"
 
     with_one = SimpleNamespace(sequences=torch.tensor([[7, 8, 9, 120, 11]]), loc_Y=loc_y, scale_Y=scale_y)
-    _print_intervals(model, with_one, row=0, start=2)
+    _print_intervals(model, with_one, row=0, start=2, full_precision=True)
     lines = capsys.readouterr().out.splitlines()
-    median, low, high = model.value_interval(loc_y[0, 1], scale_y[0, 1], 0.9)
-    assert lines == [f"  number {median.item():.6g}: 90% interval [{low.item():.6g}, {high.item():.6g}]"]
+    median, low, high = (t.item() for t in model.value_interval(loc_y[0, 1], scale_y[0, 1], 0.9))
+    assert lines == [f"  number {median!r}: 90% interval [{low!r}, {high!r}]"]
 
-    _print_intervals(model, SimpleNamespace(sequences=with_one.sequences, loc_Y=None, scale_Y=None), row=0, start=2)
+    # By default each number keeps the digits its 50% interval supports: every one within a twentieth of that
+    # interval's half-width of its float, and fewer digits than the float's.
+    _print_intervals(model, with_one, row=0, start=2, full_precision=False)
+    written = re.fullmatch(r"  number (\S+): 90% interval \[(\S+), (\S+)\]", capsys.readouterr().out.strip("\n"))
+    _, low50, high50 = (t.item() for t in model.value_interval(loc_y[0, 1], scale_y[0, 1], 0.5))
+    for text, value in zip(written.groups(), (median, low, high), strict=True):
+        assert abs(float(text) - value) <= (high50 - low50) / 2 / 20
+        assert len(text) < len(repr(value))
+
+    _print_intervals(model, SimpleNamespace(sequences=with_one.sequences, loc_Y=None, scale_Y=None), row=0, start=2,
+                     full_precision=False)
     assert "no regression head" in capsys.readouterr().out
 
 

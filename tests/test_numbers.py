@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from causal_qwen.numbers import NumberSpan, find_numbers, format_number, parse_number
+from causal_qwen.numbers import NumberSpan, find_numbers, format_number, parse_number, round_to_interval
 
 # (text, [(written number, value), ...]) -- every example of docs/number_grammar.md.
 GRAMMAR_EXAMPLES = [
@@ -262,3 +262,17 @@ def test_scanner_reads_pathological_runs_as_ordered_exact_spans(build):
         assert math.isfinite(span.value)
         assert float(text[span.start : span.end].replace(",", "")) == span.value
         position = span.end
+
+
+@pytest.mark.parametrize(("value", "low", "high", "written"), [
+    (29.21944, 26.37, 32.07, "29.2"),  # a half-width of 2.85: tenths
+    (6912.3, 6100.0, 7700.0, "6910"),  # of 800: tens
+    (0.0123456, 0.0103, 0.0143, "0.0123"),  # of 0.002: ten-thousandths
+    (62.0, 62.0 - 1e-9, 62.0 + 1e-9, "62"),  # a copy: its interval is narrower than its last digit
+    (12.825866, 12.825866 - 1e-7, 12.825866 + 1e-7, "12.825866"),  # every digit stands
+    (6912.3, -1e6, 1e6, "7000"),  # far wider than the value: its leading digit stays
+    (6912.3, -math.inf, math.inf, "6912.3"),  # no finite width: nothing to round by
+    (0.0, -1.0, 1.0, "0"),
+])
+def test_a_value_keeps_the_digits_its_interval_supports(value, low, high, written):
+    assert format_number(round_to_interval(value, low, high)) == written
