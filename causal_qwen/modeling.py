@@ -496,7 +496,8 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenLoadingMixin, K
         context = self.abduction.read_context(outputs.last_hidden_state, input_ids, numeric_values, kept, cache,
                                               position_ids, is_num=is_num, numbers=numbers)
         if generation_state is not None:
-            # The mode's own scores reach the loop as scores (generation.DecisionScores); logits stay its loc_S.
+            # The mode's own scores reach the loop as scores (generation_processors.DecisionScores); logits stay
+            # its loc_S.
             heads = CausalQwenActionOutput(**generation_state.decide(self.action, loc_u, scale_u, context))
             loc_u, scale_u = (t[:, -heads.loc_S.shape[1]:] for t in (loc_u, scale_u))  # the positions it decided
         else:

@@ -439,7 +439,7 @@ def numbered_prompts():
 
 def assert_values_are_the_predictions_of_their_own_prefix(model, out, ids, mask, values, per_prompt):
     """Every generated <NUM>'s value is what the model predicts from that sequence's own ids and values before it."""
-    from causal_qwen.generation import shortest_float32
+    from causal_qwen.generated_numbers import shortest_float32
 
     start = ids.shape[1]
     for row, sequence in enumerate(out.sequences):

@@ -550,7 +550,7 @@ class CausalQwenForVLLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The scores vLLM samples from, per request's mode; records the value predicted for each request."""
-        from ..generation import _MAX_VALUE, shortest_float32
+        from ..generated_numbers import _MAX_VALUE, shortest_float32
         from ..generation_modes import DECISION_RULES
 
         loc_u, scale_u = self.abduction(hidden_states)
