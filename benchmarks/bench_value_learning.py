@@ -21,7 +21,7 @@ import time
 import torch
 from bench_training_step import build_models, make_batch
 
-from causal_qwen.starts import LearningRows, ValueLearner, ValueLearning, value_side_parameters
+from causal_qwen.starts import FOLDS, LearningRows, ValueLearner, ValueLearning, value_side_parameters
 
 
 def learning_rows(rows: int, width: int) -> LearningRows:
@@ -30,7 +30,7 @@ def learning_rows(rows: int, width: int) -> LearningRows:
     y = x[:, :8].sum(1) + torch.randn(rows, generator=g, dtype=torch.float64)
     ones = torch.ones(rows, dtype=torch.float64)
     return LearningRows(x, torch.rand(rows, width, generator=g, dtype=torch.float64) * 1e-3, ones,
-                        torch.zeros(rows, dtype=torch.float64), ones, y, torch.arange(rows) % 5 == 0)
+                        torch.zeros(rows, dtype=torch.float64), ones, y, torch.arange(rows) % FOLDS)
 
 
 def train_step(model, batch: dict[str, torch.Tensor]) -> None:
@@ -54,7 +54,7 @@ def main() -> None:
     rows = learning_rows(args.rows, model.config.causal_size)
 
     start = time.perf_counter()
-    learner = ValueLearner(model.action, rows, ValueLearning(), penalty=1.0, start_locations=rows.y.clone(),
+    learner = ValueLearner(model.action, rows, ValueLearning(), penalty=1.0, fitted_on_rows=True,
                            abduction=model.abduction)
     built = time.perf_counter() - start
 

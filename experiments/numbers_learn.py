@@ -274,7 +274,7 @@ def _cache_rows(trainer, tokenizer, test: dict, path: Path) -> None:
     torch.save({"train": vars(learner.rows), "test": vars(tested.rows),
                 "test_tasks": [n for n in test for _ in test[n]],
                 "test_targets": [r["target"] for n in test for r in test[n]],
-                "start_locations": learner.start_locations, "penalty": learner.penalty,
+                "penalty": learner.penalty,
                 "w": head.weight.detach().double().cpu()[0].clone(), "b": float(head.bias.detach()),
                 "noise": learner.noise, "scale_min": model.action.scale_min,
                 "transform": model.config.value_transform}, path)

@@ -37,8 +37,7 @@ def _rows(n: int = 40, c: int = 5, seed: int = 0) -> LearningRows:
     offset = torch.randn(n, generator=g, dtype=torch.float64)
     width = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
     y = torch.randn(n, generator=g, dtype=torch.float64) * 2
-    held = torch.arange(n) % 5 == 0
-    return LearningRows(x, s, linear, offset, width, y, held)
+    return LearningRows(x, s, linear, offset, width, y, torch.arange(n) % 5)
 
 
 def _numpy_step(rows: LearningRows, w0: np.ndarray, b0: float, noise: float, penalty: float, picks: np.ndarray,
@@ -71,20 +70,32 @@ def _numpy_step(rows: LearningRows, w0: np.ndarray, b0: float, noise: float, pen
 
 
 def test_a_step_of_the_learner_is_the_independent_float64_update():
-    """Both read-outs from the model's: the monitor on the rows not held out, the one the model gets on every row."""
+    """Every read-out from the model's: each monitor on the rows of the other folds, the model's on every row."""
     rows = _rows()
     w0 = torch.tensor([0.5, -0.02, 3.0, 0.1, 0.004], dtype=torch.float64)
     action = _Action(w0, 1.5, 0.7)
     settings = ValueLearning(learning_rate=1e-2, batch_rows=16, seed=3)
     learner = ValueLearner(action, rows, settings, penalty=2.0)
+    assert len(learner.monitors) == 5
     learner.step()
     learner._write()  # the state of this step, whether or not it is the best held out
-    for fitted, (w, b) in (((~rows.held).nonzero().flatten(), learner.monitor.weights()),
-                           (torch.arange(len(rows.y)), (action.reg_head.weight.detach()[0], action.reg_head.bias))):
+    states = [((rows.fold != k).nonzero().flatten(), monitor.weights()) for k, monitor in enumerate(learner.monitors)]
+    states.append((torch.arange(len(rows.y)), (action.reg_head.weight.detach()[0], action.reg_head.bias)))
+    for fitted, (w, b) in states:
         picks = fitted[torch.randint(len(fitted), (16,), generator=torch.Generator().manual_seed(3))].numpy()
         expected_w, expected_b = _numpy_step(rows, w0.numpy(), 1.5, 0.7, 2.0, picks, 1e-2, fitted.numpy())
         np.testing.assert_allclose(w.detach().numpy(), expected_w, rtol=1e-9, atol=1e-12)
         assert float(b.detach()) == pytest.approx(expected_b, rel=1e-9, abs=1e-12)
+
+
+def _unseen_error(rows: LearningRows, states: list) -> float:
+    """The median |loc − y| of every row at the state (w, b) of the monitor of its fold."""
+    misses = torch.empty_like(rows.y)
+    for k, (w, b) in enumerate(states):
+        at = rows.fold == k
+        loc = rows.linear_weight[at] * (rows.x[at] @ w.detach() + float(b.detach())) + rows.offset[at]
+        misses[at] = (loc - rows.y[at]).abs()
+    return float(misses.median())
 
 
 def test_the_guard_keeps_the_best_state_when_training_diverges():
@@ -92,15 +103,14 @@ def test_the_guard_keeps_the_best_state_when_training_diverges():
     w0 = torch.tensor([0.5, -0.02, 3.0, 0.1, 0.004], dtype=torch.float64)
     action = _Action(w0, 1.5, 0.7)
     learner = ValueLearner(action, rows, ValueLearning(learning_rate=50.0), penalty=1.0)
-    monitored, trained = [learner.monitor.weights()], [learner.readout.weights()]
+    monitored = [[m.weights() for m in learner.monitors]]
+    trained = [learner.readout.weights()]
     for _ in range(30):
         learner.step()
-        monitored.append(learner.monitor.weights())
+        monitored.append([m.weights() for m in learner.monitors])
         trained.append(learner.readout.weights())
-    # The held-out error of each of the monitor's states, computed here from its weights.
-    held = rows.held
-    errors = [float((rows.linear_weight[held] * (rows.x[held] @ w.detach() + float(b.detach())) + rows.offset[held]
-                     - rows.y[held]).abs().median()) for w, b in monitored]
+    # The error on the rows each monitor did not see, at each of their states, computed here from their weights.
+    errors = [_unseen_error(rows, states) for states in monitored]
     assert [error for _, error in learner.record.curve] == pytest.approx(errors, rel=1e-9)
     assert max(errors) > 10 * errors[0]  # it diverged
     best = learner.record.best_step
@@ -125,9 +135,9 @@ class _Abduction(torch.nn.Module):
 
 
 def _two_kinds(n: int = 1000, hidden: int = 6, causal: int = 5):
-    """Rows of two kinds far apart in loc_U, every width 1 (γ_Y = 1, ρ = 1, no spread of the read-out's own), the
-    start missing every row by 1; and the locations of a read-out that misses the first kind by 0.25 and the second
-    by 1, as it did."""
+    """Rows of two kinds far apart in loc_U, every width 1 (γ_Y = 1, ρ = 1, no spread of the read-out's own), a
+    read-out of 0 that the path's offsets leave missing every row by 1; and the misses of a read-out that misses the
+    first kind by 0.25 and the second by 1, as it did."""
     g = torch.Generator().manual_seed(5)
     abduction = _Abduction(hidden, causal, path=True)
     z = torch.randn(n, hidden, generator=g, dtype=torch.float64)
@@ -135,42 +145,41 @@ def _two_kinds(n: int = 1000, hidden: int = 6, causal: int = 5):
     z[kind, 0] += 8.0
     with torch.no_grad():
         x = abduction.loc_net(z)
-    ones, zeros = torch.ones(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    ones = torch.ones(n, dtype=torch.float64)
     y = torch.randn(n, generator=g, dtype=torch.float64)
     sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
-    rows = LearningRows(x, torch.zeros_like(x), ones, zeros, ones, y, torch.arange(n) % 5 < 2)
-    learnt = y + sign * torch.where(kind, 0.25, 1.0)
-    return abduction, z, kind, rows, y + sign, learnt
+    rows = LearningRows(x, torch.zeros_like(x), ones, y + sign, ones, y, torch.arange(n) % 5)
+    action = _Action(torch.zeros(causal, dtype=torch.float64), 0.0, 1.0)
+    return abduction, z, kind, rows, action, torch.where(kind, 0.25, 1.0).double()
 
 
 def test_the_widths_follow_the_misses_of_each_kind_of_row():
     """A kind of row the read-out learnt to miss 4× less gets a width 4× narrower; the other keeps its own. The map
     is written in the path's width map of z, through loc_U = W·z + b."""
-    abduction, z, kind, rows, start, learnt = _two_kinds()
-    action = _Action(torch.zeros(rows.x.shape[1], dtype=torch.float64), 0.0, 1.0)
+    abduction, z, kind, rows, action, learnt = _two_kinds()
     width = abduction.context_values.width
     before = width(z).detach().squeeze(-1)
-    learner = ValueLearner(action, rows, ValueLearning(), penalty=1.0, start_locations=start, abduction=abduction)
+    learner = ValueLearner(action, rows, ValueLearning(), penalty=1.0, abduction=abduction)
+    torch.testing.assert_close(learner.start_misses, torch.ones_like(rows.y))  # the monitors' misses at step 0
     assert torch.equal(width(z).detach().squeeze(-1), before)  # nothing moves before a state is written
-    alpha, beta = learner.width_map(learnt[rows.held])
+    alpha, beta = learner.width_map(learnt)
     moved = rows.x @ alpha + beta
     # The ridge holds the map a little short of log 4 between the kinds: within 10% of each width.
     assert float(moved[kind].exp().median()) == pytest.approx(0.25, rel=0.1)
     assert float(moved[~kind].exp().median()) == pytest.approx(1.0, rel=0.1)
-    learner._follow_widths(learnt[rows.held])
+    learner._follow_widths(learnt)
     torch.testing.assert_close(width(z).detach().squeeze(-1) - before, moved, rtol=1e-9, atol=1e-9)
-    learner._follow_widths(start[rows.held])  # the start's misses again: the start's widths, not a sum of moves
+    learner._follow_widths(learner.start_misses)  # the start's misses again: its widths, not a sum of moves
     torch.testing.assert_close(width(z).detach().squeeze(-1), before, rtol=1e-9, atol=1e-9)
 
 
 def test_without_the_path_the_value_width_moves_by_the_maps_mean():
-    abduction, z, kind, rows, start, learnt = _two_kinds()
+    abduction, z, kind, rows, action, learnt = _two_kinds()
     abduction.context_values = None
-    action = _Action(torch.zeros(rows.x.shape[1], dtype=torch.float64), 0.0, 1.0)
-    learner = ValueLearner(action, rows, ValueLearning(), penalty=1.0, start_locations=start, abduction=abduction)
-    alpha, beta = learner.width_map(learnt[rows.held])
-    learner._follow_widths(learnt[rows.held])
-    mean = float((rows.x[rows.held] @ alpha + beta).mean())
+    learner = ValueLearner(action, rows, ValueLearning(), penalty=1.0, abduction=abduction)
+    alpha, beta = learner.width_map(learnt)
+    learner._follow_widths(learnt)
+    mean = float((rows.x @ alpha + beta).mean())
     assert float(action.reg_log_noise) == pytest.approx(mean, rel=1e-9)
     assert mean == pytest.approx((math.log(0.25) + 0.0) / 2, rel=0.1)  # half the rows of each kind
 

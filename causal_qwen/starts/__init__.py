@@ -20,7 +20,7 @@ from .callback import (
     readout_parameters,
     value_side_parameters,
 )
-from .learning import LearningRecord, LearningRows, ValueLearner, ValueLearning
+from .learning import FOLDS, LearningRecord, LearningRows, ValueLearner, ValueLearning
 from .readout import (
     NotEnoughNumbersError,
     ValueHeadFit,
@@ -36,6 +36,7 @@ from .readout import (
 
 __all__ = [
     "DEFAULT_VALUE_LEARNING",
+    "FOLDS",
     "LearningRecord",
     "LearningRows",
     "NotEnoughNumbersError",

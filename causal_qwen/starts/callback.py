@@ -223,18 +223,19 @@ class ValueHeadStartCallback(TrainerCallback):
             self._start = None
             return
         start = getattr(self, "_start", None)
+        fitted_on_rows = start is not None
         if start is None:
             try:
                 start = read_value_rows(model, self._train_rows(), max_positions=self.max_positions)
             except NotEnoughNumbersError:
                 return
-        self.learner = ValueLearner(model.action, start.rows, self.learning, start.fit.penalty, start.start_locations,
-                                   abduction=model.abduction)
+        self.learner = ValueLearner(model.action, start.rows, self.learning, start.fit.penalty,
+                                    fitted_on_rows=fitted_on_rows, abduction=model.abduction)
         self._start = None  # the rows live in the learner now
         if self.trainer.is_world_process_zero():
-            logger.warning(f"value side: {int((~start.rows.held).sum())} rows train the read-out from its start, "
-                           f"{int(start.rows.held.sum())} held out; held-out median absolute error (head space) "
-                           f"{self.learner.record.start_error:.4g} at the start")
+            logger.warning(f"value side: {len(start.rows.y)} rows train the read-out from its start, each held out of "
+                           f"one of {len(self.learner.monitors)} monitors; median absolute error (head space) on the "
+                           f"rows they did not see {self.learner.record.start_error:.4g} at the start")
 
     def _fit(self, model, resuming: bool) -> None:
         config = getattr(model, "config", None)

@@ -13,18 +13,21 @@ standardised features and Σ = aᵀa/N + (λ/N)·I (λ the start's ridge penalty
 b_reg = b_start + δ − μ·(Σ^-1/2·v)/σ, with v and δ starting at 0. There every direction moves the prediction alike
 and a step of Adam is a step of (preconditioned) gradient descent on the read-out's loss.
 
-A guard keeps the best state: the rows the start held out (a fifth, chosen by the rows' content) never train a
-monitor, a second read-out trained by the same steps on the other rows; its median absolute error in the head's space
-there (what the evaluation's median relative error punishes) is measured at every step. Where it is lower than the
-best so far and no kind of held-out row (a cluster of their features: in practice a task) is worse than at that best
-by more than 0.01, the model gets the state of the read-out trained on every row after as many steps; a state no
-better than the start never replaces it. The start itself is scored there by its leave-one-out locations (it was
-fitted on every row).
+A guard keeps the best state: every row is held out of one of five monitors (its fold: every fifth row in the rows'
+content order), read-outs trained by the same steps on the other four fifths, from the ridge of those rows. So every
+row has a location from a read-out that never saw it, and their median absolute error in the head's space (what the
+evaluation's median relative error punishes) is measured at every step. Where it is lower than the best so far and no
+kind of row (a cluster of their features: in practice a task) is worse than at that best by more than 0.01, the model
+gets the state of the read-out trained on every row after as many steps; the monitors' first state (step 0, the
+ridges) stands for the start, which was fitted on every row, so a state is judged by how far the same steps took
+read-outs that are scored on rows they did not see. (Scored against the start's leave-one-out locations instead, the
+monitors, each fitted on four fifths of the rows, began worse than the start on two of five tasks and no state of
+theirs passed at 64 rows per task; docs/experiments.md.)
 
 The widths follow the errors: the start's widths were calibrated to the start's misses, and a read-out that learns
 misses less on some kinds of rows than on others (a ratio of stated values three times less, a price hardly less), so
 with the start's widths its 50% intervals held 0.95 of a ratio's test targets. Wherever the model gets a state, each
-held-out row's log ratio of the monitor's miss to the start's is regressed (ridge) on the rows' leading principal
+row's log ratio of the monitors' miss now to their miss at step 0 is regressed (ridge) on the rows' leading principal
 coordinates, and the value's width log ρ gets that map, through the abduction's linear loc_U, in the path's width map
 (with the path; γ_Y gets its mean without it).
 """
@@ -42,10 +45,11 @@ from .path import _CALIBRATION_DIMS, _CALIBRATION_RIDGE
 __all__ = ["ValueLearning", "ValueLearner", "LearningRows", "LearningRecord"]
 
 
-# A kind of held-out row may end at most this much worse (median |loc − y| in the head's space, about 1% of a value in
+# A kind of row may end at most this much worse (median |loc − y| in the head's space, about 1% of a value in
 # symlog space), or this share of its error where that is more (the median of twenty rows moves by that much between two
 # states that differ by nothing real), than at the best state so far; kinds are clusters of at least
-# `_ROWS_PER_KIND` held-out rows on average (one of fewer than half that is not checked).
+# `_ROWS_PER_KIND` rows on average (one of fewer than half that is not checked).
+FOLDS = 5
 _KIND_SLACK = 0.01
 _KIND_SHARE = 0.1
 _ROWS_PER_KIND = 20
@@ -55,10 +59,9 @@ _MAX_KINDS = 8
 _EXACT_MISS = 1e-6
 # Where the read-out's own spread is wider than a row's width should be, the path's part of it falls to this share.
 _LEAST_SHARE = 0.1
-# The widths' map reads at most one principal coordinate per this many held-out rows (the path's calibration reads one
-# per 25): with 64 held-out rows over five tasks, two coordinates moved one task's widths by what another learnt
-# (humidity's 50% intervals from 0.58 to 0.82 of its test targets, docs/experiments.md), and fewer rows fit the shift
-# alone.
+# The widths' map reads at most one principal coordinate per this many rows (the path's calibration reads one per 25
+# held-out rows): with the misses of 64 held-out rows over five tasks, two coordinates moved one task's widths by what
+# another learnt (humidity's 50% intervals from 0.58 to 0.82 of its test targets, docs/experiments.md).
 _ROWS_PER_MAP_DIM = 100
 
 
@@ -131,7 +134,8 @@ class ValueLearning:
 class LearningRows:
     """The value rows as the model reads them, float64 on the CPU: loc_U `x` `[N, C]`, the spread's input
     scale_U' `s` `[N, C]`, the path's read at each row (π_0 `linear_weight`, m `offset`, ρ `width`, `[N]` each; 1, 0
-    and 1 without the path), the targets `y` `[N]` in the head's space, and which rows are held out `held` `[N]`."""
+    and 1 without the path), the targets `y` `[N]` in the head's space, and the fold of each row `fold` `[N]` (0 to
+    `FOLDS` − 1: the monitor that does not see it; fold 0 is the fifth the path's fit held out)."""
 
     x: torch.Tensor
     s: torch.Tensor
@@ -139,13 +143,14 @@ class LearningRows:
     offset: torch.Tensor
     width: torch.Tensor
     y: torch.Tensor
-    held: torch.Tensor
+    fold: torch.Tensor
 
 
 @dataclass
 class LearningRecord:
-    """What the learner did: the held-out median absolute error (head space) of the start and of the best state, the
-    step that state is from (0: the start's), and the held-out error at each step (the curve)."""
+    """What the learner did: the median absolute error (head space) on the rows the monitors did not see, at the
+    start (their step 0) and at the best state, the step that state is from (0: the start's), and that error at each
+    step (the curve)."""
 
     start_error: float
     best_error: float
@@ -213,95 +218,83 @@ class _WhitenedReadout:
 
 
 class ValueLearner:
-    """Trains `w_reg`, `b_reg` of `action` on `rows` (module docstring) and writes the state the held-out rows choose
-    into the model. `penalty` is the ridge penalty of the start (on standardised features).
+    """Trains `w_reg`, `b_reg` of `action` on `rows` (module docstring) and writes the state the rows it did not see
+    choose into the model, with the widths that follow it. `penalty` is the ridge penalty of the start (on
+    standardised features).
 
-    Two read-outs train side by side, by the same steps from their own starts: the monitor on the training rows only,
-    which the held-out rows score, and the read-out the model gets, on every row (the held-out ones too) from the
-    model's read-out. Where the monitor's state after k steps is the best held out, the other's state after k steps
-    is written: the held-out rows choose how far to train, and then add what they know (where rows are few, a
-    read-out trained on four fifths of them reads new rows worse than the start before its first step;
-    docs/experiments.md, "Numbers that learn")."""
+    The read-out the model gets trains on every row from the model's read-out; beside it, `FOLDS` monitors train by
+    the same steps, each on the rows of the other folds. Where the monitors' state after k steps is the best on the
+    rows they did not see, the model gets the other's state after k steps: the held-out misses choose how far to train,
+    and every row still trains the model (where rows are few, a read-out of four fifths of them reads new rows worse
+    than one of all; docs/experiments.md, "Numbers that learn")."""
 
     def __init__(self, action, rows: LearningRows, settings: ValueLearning, penalty: float,
-                 start_locations: torch.Tensor | None = None, abduction=None):
-        """`start_locations` `[N]`: the start's locations as it predicts rows it did not see, where it was fitted on
-        every row (a start from data); None: the model as it is is the start (a checkpoint on new data).
-        `abduction`: the model's abduction network, whose linear loc_U carries the widths' map into the path's width
-        map (None: the widths stay the start's)."""
-        self.action, self.rows, self.settings = action, rows, settings
-        self.abduction = abduction
-        self.start_locations, self.penalty = start_locations, penalty
+                 fitted_on_rows: bool = False, abduction=None):
+        """`fitted_on_rows`: the model's read-out is a start fitted on these very rows, so the monitors start from the
+        ridge of their own rows (the start's locations would be in-sample); otherwise (a checkpoint on new data) they
+        start, like the model's, from the model's read-out. `abduction`: the model's abduction network, whose linear
+        loc_U carries the widths' map into the path's width map (None: the widths stay the start's)."""
+        self.action, self.rows, self.settings, self.abduction = action, rows, settings, abduction
+        self.penalty = penalty
         head = action.reg_head
         w0 = head.weight.detach().double().cpu()[0].clone()
         b0 = float(head.bias.detach())
         self.noise = float(action.reg_log_noise.detach().exp()) if action.reg_log_noise is not None else 0.0
-        every = torch.ones_like(rows.held)
-        # The start was fitted on every row, the held-out ones too: its own locations there are in-sample, and a
-        # state a step away would score as well as they do. The monitor starts instead from the same ridge on the
-        # training rows alone, and the start is scored by its leave-one-out locations (`start_locations`), so both
-        # are scored on rows they did not see.
-        self.monitor = _WhitenedReadout(rows, ~rows.held, w0, b0, penalty, settings, self.noise, action.scale_min,
-                                        from_ridge=start_locations is not None)
-        self.readout = _WhitenedReadout(rows, every, w0, b0, penalty, settings, self.noise, action.scale_min,
-                                        from_ridge=False)
+        folds = int(rows.fold.max()) + 1 if len(rows.fold) else 0
+        self.monitors = [_WhitenedReadout(rows, rows.fold != k, w0, b0, penalty, settings, self.noise,
+                                          action.scale_min, from_ridge=fitted_on_rows) for k in range(folds)]
+        self.readout = _WhitenedReadout(rows, torch.ones_like(rows.fold, dtype=torch.bool), w0, b0, penalty, settings,
+                                        self.noise, action.scale_min, from_ridge=False)
         self.steps = 0
-        self.kinds = kinds_of(rows.x[rows.held])
-        held_start = None if start_locations is None else start_locations[rows.held]
-        if held_start is None:
-            with torch.no_grad():
-                held_start, _ = self.monitor.locations(rows.held)
-        self.start_misses = (held_start - rows.y[rows.held]).abs()
+        self.kinds = kinds_of(rows.x)
+        self.start_misses = (self.unseen_locations() - rows.y).abs()
         with torch.no_grad():
-            self.start_scales = self.readout.locations(rows.held)[1]
+            self.start_scales = self.readout.locations(slice(None))[1]
         self.start_widths = self._width_state()
-        start = self._held_out_error(held_start)
-        self.best_by_kind = self._errors_by_kind(held_start)
+        start = float(self.start_misses.median()) if len(rows.y) else math.inf
+        self.best_by_kind = self._errors_by_kind(self.start_misses)
         self.record = LearningRecord(start_error=start, best_error=start)
         self.record.curve.append((0, start))
 
-    def _held_out_error(self, locations: torch.Tensor | None = None) -> float:
-        """The median |loc − y| over the held-out rows, from their `locations` (None: the monitor's)."""
-        held = self.rows.held
-        if not bool(held.any()):
-            return math.inf
-        if locations is None:
-            with torch.no_grad():
-                locations, _ = self.monitor.locations(held)
-        return float((locations - self.rows.y[held]).abs().median())
+    @torch.no_grad()
+    def unseen_locations(self) -> torch.Tensor:
+        """Each row's location `[N]` by the monitor that does not see it."""
+        locations = torch.empty_like(self.rows.y)
+        for k, monitor in enumerate(self.monitors):
+            rows = (self.rows.fold == k).nonzero().flatten()
+            locations[rows] = monitor.locations(rows)[0]
+        return locations
 
     def step(self) -> float:
-        """One step of both read-outs; writes the model's where the monitor's is the best held-out so far. Returns
-        the monitor's held-out error."""
-        if len(self.monitor.fitted_rows) == 0:
+        """One step of every read-out; writes the model's where the monitors' is the best so far. Returns the
+        monitors' median absolute error on the rows they did not see."""
+        if len(self.monitors) < 2:  # no row both trains and is held out
             return self.record.best_error
-        self.monitor.step()
+        for monitor in self.monitors:
+            monitor.step()
         self.readout.step()
         self.steps += 1
-        with torch.no_grad():
-            held_locations, _ = self.monitor.locations(self.rows.held)
-        error = self._held_out_error(held_locations)
+        locations = self.unseen_locations()
+        misses = (locations - self.rows.y).abs()
+        error = float(misses.median())
         self.record.curve.append((self.steps, error))
-        by_kind = self._errors_by_kind(held_locations)
-        # Better pooled, and no kind of held-out row worse than the best state's by more than `_KIND_SLACK`: a pooled
-        # median can fall while one task's error rises.
+        by_kind = self._errors_by_kind(misses)
+        # Better pooled, and no kind of row worse than the best state's by more than `_KIND_SLACK` (or a
+        # `_KIND_SHARE` of its error): a pooled median can fall while one task's error rises.
         slack = (self.best_by_kind * _KIND_SHARE).clamp(min=_KIND_SLACK)
         counted = self.kinds.bincount() >= _ROWS_PER_KIND // 2  # a kind of a few rows is its noise
         if error < self.record.best_error and bool((by_kind <= self.best_by_kind + slack)[counted].all()):
             self.record.best_error, self.record.best_step = error, self.steps
             self.best_by_kind = by_kind
             self._write()
-            self._follow_widths(held_locations)
+            self._follow_widths(misses)
         return error
 
-    @torch.no_grad()
-    def _errors_by_kind(self, held_locations: torch.Tensor | None = None) -> torch.Tensor:
-        """The median |loc − y| over the held-out rows of each kind `[K]`."""
-        if held_locations is None:
-            held_locations, _ = self.monitor.locations(self.rows.held)
-        miss = (held_locations - self.rows.y[self.rows.held]).abs()
-        return torch.stack([miss[self.kinds == k].median() for k in range(int(self.kinds.max()) + 1)]) \
-            if len(miss) else torch.zeros(0, dtype=torch.float64)
+    def _errors_by_kind(self, misses: torch.Tensor) -> torch.Tensor:
+        """The median of `misses` `[N]` over the rows of each kind `[K]`."""
+        if not len(misses):
+            return torch.zeros(0, dtype=torch.float64)
+        return torch.stack([misses[self.kinds == k].median() for k in range(int(self.kinds.max()) + 1)])
 
     @torch.no_grad()
     def _write(self) -> None:
@@ -320,43 +313,40 @@ class ValueLearner:
             return {"weight": path.width.weight.detach().clone(), "bias": path.width.bias.detach().clone()}
         return {"log_noise": self.action.reg_log_noise.detach().clone()}
 
-    def width_map(self, held_locations: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """(α `[C]`, β): log ρ moves by α·x + β, the ridge regression on the held-out rows' leading principal
-        coordinates (at most `_CALIBRATION_DIMS`, one per `_ROWS_PER_MAP_DIM` rows) of the change of log ρ that
-        gives each row the start's width times its miss ratio (the monitor's at `held_locations` over the start's;
-        misses below `_EXACT_MISS` count as that). The read-out's own spread π_0·(s·|w|) stays: where it alone is
-        wider than that, ρ's part falls to `_LEAST_SHARE` of it."""
-        r, held = self.rows, self.rows.held
-        x = r.x[held]
-        miss = (held_locations - r.y[held]).abs()
-        wanted = self.start_scales * miss.clamp(min=_EXACT_MISS) / self.start_misses.clamp(min=_EXACT_MISS)
+    def width_map(self, misses: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """(α `[C]`, β): log ρ moves by α·x + β, the ridge regression on the rows' leading principal coordinates (at
+        most `_CALIBRATION_DIMS`, one per `_ROWS_PER_MAP_DIM` rows) of the change of log ρ that gives each row the
+        start's width times its miss ratio (`misses` `[N]`, the monitors', over theirs at step 0; misses below
+        `_EXACT_MISS` count as that). The read-out's own spread π_0·(s·|w|) stays: where it alone is wider than
+        that, ρ's part falls to `_LEAST_SHARE` of it."""
+        r = self.rows
+        wanted = self.start_scales * misses.clamp(min=_EXACT_MISS) / self.start_misses.clamp(min=_EXACT_MISS)
         with torch.no_grad():
-            spread = r.linear_weight[held] * (r.s[held] @ self.readout.weights()[0].abs())
-        own = self.noise * r.width[held]
-        target = (torch.maximum(wanted - spread, wanted * _LEAST_SHARE) / own).log()
-        n = len(x)
-        dims = min(_CALIBRATION_DIMS, x.shape[1], n // _ROWS_PER_MAP_DIM)
-        mean, std = x.mean(0), x.std(0).clamp(min=1e-6)
-        standard = (x - mean) / std
+            spread = r.linear_weight * (r.s @ self.readout.weights()[0].abs())
+        target = (torch.maximum(wanted - spread, wanted * _LEAST_SHARE) / (self.noise * r.width)).log()
+        n = len(r.x)
+        dims = min(_CALIBRATION_DIMS, r.x.shape[1], n // _ROWS_PER_MAP_DIM)
+        mean, std = r.x.mean(0), r.x.std(0).clamp(min=1e-6)
+        standard = (r.x - mean) / std
         _, singular, vh = torch.linalg.svd(standard, full_matrices=False)
         # Unit-variance coordinates, so that one ridge weighs each alike.
         to_coords = vh[:dims].T / (singular[:dims] / math.sqrt(n)).clamp(min=1e-12)
-        design = torch.cat((torch.ones(n, 1, dtype=x.dtype), standard @ to_coords), 1)
-        penalty = torch.full((dims + 1,), _CALIBRATION_RIDGE * n, dtype=x.dtype)
+        design = torch.cat((torch.ones(n, 1, dtype=r.x.dtype), standard @ to_coords), 1)
+        penalty = torch.full((dims + 1,), _CALIBRATION_RIDGE * n, dtype=r.x.dtype)
         penalty[0] = 0.0  # the shift is not penalised
         fit = torch.linalg.solve(design.T @ design + penalty.diag(), design.T @ target)
         alpha = (to_coords @ fit[1:]) / std
         return alpha, float(fit[0] - (alpha * mean).sum())
 
     @torch.no_grad()
-    def _follow_widths(self, held_locations: torch.Tensor) -> None:
-        """Write the start's widths moved by `width_map` into the model."""
-        if self.start_widths is None or not bool(self.rows.held.any()):
+    def _follow_widths(self, misses: torch.Tensor) -> None:
+        """Write the start's widths moved by `width_map(misses)` into the model."""
+        if self.start_widths is None or len(misses) < 2:
             return
-        alpha, beta = self.width_map(held_locations)
+        alpha, beta = self.width_map(misses)
         path = self.abduction.context_values
-        if path is None:  # one width for every row: the map's mean over the held-out rows
-            shift = beta + float((self.rows.x[self.rows.held] @ alpha).mean())
+        if path is None:  # one width for every row: the map's mean over the rows
+            shift = beta + float((self.rows.x @ alpha).mean())
             self.action.reg_log_noise.copy_(self.start_widths["log_noise"] + shift)
             return
         loc_net = self.abduction.loc_net

@@ -44,7 +44,7 @@ from ..cauchy import linear, transform_values
 from ..checks import check_positive_finite
 from ..context_values import CausalQwenContextValues, entry_values
 from ..labels import IGNORE_INDEX, next_token_targets
-from .learning import LearningRows, kinds_of, kinds_score
+from .learning import FOLDS, LearningRows, kinds_of, kinds_score
 from .path import ContextRows, fit_context_values, one_thread
 
 __all__ = ["NotEnoughNumbersError", "ValueHeadFit", "ValueStart", "fit_value_head", "known_next_tokens",
@@ -563,12 +563,11 @@ def _path_read(model, rows: _StartRows, chunk: int = 256) -> tuple[torch.Tensor,
 
 
 def _learning_rows(model, rows: _StartRows) -> LearningRows:
-    """The rows the read-out trains on (`value_learning.LearningRows`): the start's rows, their held-out fifth the
-    path's (every fifth in the rows' content order)."""
+    """The rows the read-out trains on (`learning.LearningRows`): the start's rows, in folds of every `FOLDS`-th row
+    in the rows' content order (fold 0 the path's held-out fifth)."""
     linear, offset, width = _path_read(model, rows)
     noisy = rows.x_scale + model.action.b_noise.detach().double().cpu().abs()
-    held = torch.arange(rows.x.shape[0]) % 5 == 0
-    return LearningRows(rows.x, noisy, linear, offset, width, rows.y, held)
+    return LearningRows(rows.x, noisy, linear, offset, width, rows.y, torch.arange(rows.x.shape[0]) % FOLDS)
 
 
 @dataclass
