@@ -317,6 +317,20 @@ def quiet_weight_bars() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def progress_bars() -> Iterator[None]:
+    """transformers' progress bars on inside [`quiet_weight_bars`], as they were before on exit."""
+    from transformers.utils import logging
+
+    bars_on = logging.is_progress_bar_enabled()
+    logging.enable_progress_bar()
+    try:
+        yield
+    finally:
+        if not bars_on:
+            logging.disable_progress_bar()
+
+
+@contextlib.contextmanager
 def deepspeed_accelerator_named() -> Iterator[None]:
     """Tell DeepSpeed, where it is installed and torch finds no accelerator, that the accelerator is the CPU.
 
@@ -547,7 +561,8 @@ def run_train(args) -> int:
         # The start reads the training data through the model before the first step: minutes on a CPU, in silence.
         print("fitting the value head to the training data's numbers before the first step "
               "(docs/training.md#the-value-heads-start-from-data) ...")
-    trainer.train()
+    with progress_bars():  # the start's bar of rows read, which the weights' quiet would hide
+        trainer.train()
     learner = trainer.value_head_start.learner if trainer.value_head_start is not None else None
     if learner is not None:
         record = learner.record

@@ -17,7 +17,15 @@ from safetensors.torch import load_file
 from transformers import Qwen2ForCausalLM
 
 from causal_qwen import CausalQwenConfig, CausalQwenForCausalLM, cli
-from causal_qwen.cli import _eval_plan, _print_intervals, build_parser, check_arguments, main, quiet_weight_bars
+from causal_qwen.cli import (
+    _eval_plan,
+    _print_intervals,
+    build_parser,
+    check_arguments,
+    main,
+    progress_bars,
+    quiet_weight_bars,
+)
 
 # What pip writes as the `causal-qwen` console script.
 CONSOLE_SCRIPT = textwrap.dedent("""\
@@ -228,6 +236,18 @@ def test_intervals_say_when_no_number_was_generated(capsys):
     _print_intervals(model, SimpleNamespace(sequences=with_one.sequences, loc_Y=None, scale_Y=None), row=0, start=2,
                      full_precision=False)
     assert "no regression head" in capsys.readouterr().out
+
+
+def test_progress_bars_show_inside_the_weights_quiet_and_leave_it_as_it_was():
+    from transformers.utils import logging
+
+    before = logging.is_progress_bar_enabled()
+    with quiet_weight_bars():
+        assert not logging.is_progress_bar_enabled()
+        with progress_bars():
+            assert logging.is_progress_bar_enabled()
+        assert not logging.is_progress_bar_enabled()
+    assert logging.is_progress_bar_enabled() == before
 
 
 def test_quiet_weight_bars_hides_load_and_save_bars_and_restores_the_setting(tiny_qwen, tmp_path, capsys):

@@ -70,6 +70,7 @@ def test_train_prints_no_third_party_warning(converted):
     output = run_command("train", str(folder / "cq"), str(folder / "trained"), "--data", str(folder / "texts.jsonl"),
                          "--max-steps", "1", "--batch-size", "2", "--max-length", "32")
     assert (folder / "trained" / "loss.png").is_file()
+    assert "value start: reading value rows" in output  # the start's progress, under the weights' quiet
     assert warning_lines(output) == []
 
 
