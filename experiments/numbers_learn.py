@@ -221,7 +221,8 @@ def pooled(errors: dict[str, list[float]]) -> float:
     return statistics.median([e for errs in errors.values() for e in errs])
 
 
-def run(causal_dir: str, train: dict, test: dict, steps: int, out: Path, seed: int = 0, tag: str = "64") -> dict:
+def run(causal_dir: str, train: dict, test: dict, steps: int, out: Path, seed: int = 0, tag: str = "64",
+        save_to: Path | None = None) -> dict:
     tokenizer = CausalQwenTokenizer.from_pretrained(causal_dir)
     model = CausalQwenForCausalLM.from_pretrained(causal_dir)
     pairs = [{"prompt": r["prompt"], "completion": r["completion"]} for n in train for r in train[n]]
@@ -247,6 +248,9 @@ def run(causal_dir: str, train: dict, test: dict, steps: int, out: Path, seed: i
     trainer.train()
     model.eval()
     final = measure(model, tokenizer, test)
+    if save_to is not None:
+        model.save_pretrained(save_to)
+        tokenizer.save_pretrained(save_to)
     learner = trainer.value_head_start.learner
     return {"start": at_start, "final": final, "seconds": time.perf_counter() - started,
             "learner": None if learner is None else {"start": learner.record.start_error,
@@ -292,10 +296,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--orders", type=int, default=5, help="row orders at 64 rows")
     parser.add_argument("--first-order", type=int, default=0, help="the first of them (to run orders apart)")
+    parser.add_argument("--new-data", nargs=2, metavar=("FIRST", "SECOND"),
+                        help="instead: bar 7, a checkpoint trained on task FIRST then on SECOND against a fresh "
+                             "conversion trained on SECOND (64 rows each)")
     parser.add_argument("--large", type=int, default=512, help="training rows per task of the large run (0: none)")
     args = parser.parse_args()
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
+    if args.new_data:
+        print(new_data(args.causal, *args.new_data, args.steps, out), flush=True)
+        return
     every = tasks()
     results: dict = {"runs": {}}
     train64, test = split(every, 64, draw=0)
@@ -312,6 +322,19 @@ def main() -> None:
         print(report_run("large", results["runs"]["large"]), flush=True)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     print(bars(results), flush=True)
+
+
+def new_data(causal_dir: str, first: str, second: str, steps: int, out: Path) -> str:
+    """Bar 7: a conversion trained on `first`, saved, then trained on `second`, against a fresh conversion trained on
+    `second`; both read `second`'s test rows."""
+    train, test = split(tasks(), 64, draw=0)
+    run(causal_dir, {first: train[first]}, {first: test[first]}, steps, out, tag="first", save_to=out / "first")
+    fresh = run(causal_dir, {second: train[second]}, {second: test[second]}, steps, out, tag="fresh")
+    tuned = run(str(out / "first"), {second: train[second]}, {second: test[second]}, steps, out, tag="tuned")
+    (out / "new_data.json").write_text(json.dumps({"fresh": fresh, "tuned": tuned}, indent=1, default=str))
+    f, t = (statistics.median(r["final"][second]["errors"]) for r in (fresh, tuned))
+    return "\n".join([report_run("fresh", fresh), report_run(f"trained on {first}, then", tuned),
+                      f"7. new data: {t:.4f} <= fresh {f:.4f}: {'held' if t <= f else 'MISSED'}"])
 
 
 def report_run(name: str, result: dict) -> str:

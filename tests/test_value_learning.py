@@ -29,14 +29,17 @@ class _Action:
         self.scale_min = 1e-6
 
 
-def _rows(n: int = 40, c: int = 5, seed: int = 0) -> LearningRows:
+def _rows(n: int = 40, c: int = 5, seed: int = 0, w: torch.Tensor | None = None, b: float = 0.0) -> LearningRows:
+    """Random rows; with `w`, targets that the read-out (w, b) reads to within noise of 0.3."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, c, generator=g, dtype=torch.float64) * torch.tensor([1.0, 10.0, 0.1, 3.0, 100.0])[:c]
     s = torch.rand(n, c, generator=g, dtype=torch.float64) * 1e-3
     linear = torch.rand(n, generator=g, dtype=torch.float64)
     offset = torch.randn(n, generator=g, dtype=torch.float64)
     width = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
-    y = torch.randn(n, generator=g, dtype=torch.float64) * 2
+    y = torch.randn(n, generator=g, dtype=torch.float64) * (2 if w is None else 0.3)
+    if w is not None:
+        y = y + linear * (x @ w + b) + offset
     return LearningRows(x, s, linear, offset, width, y, torch.arange(n) % 5)
 
 
@@ -71,12 +74,12 @@ def _numpy_step(rows: LearningRows, w0: np.ndarray, b0: float, noise: float, pen
 
 def test_a_step_of_the_learner_is_the_independent_float64_update():
     """Every read-out from the model's: each monitor on the rows of the other folds, the model's on every row."""
-    rows = _rows()
     w0 = torch.tensor([0.5, -0.02, 3.0, 0.1, 0.004], dtype=torch.float64)
+    rows = _rows(w=w0, b=1.5)  # read well by the model's read-out: the learner starts from it
     action = _Action(w0, 1.5, 0.7)
     settings = ValueLearning(learning_rate=1e-2, batch_rows=16, seed=3)
     learner = ValueLearner(action, rows, settings, penalty=2.0)
-    assert len(learner.monitors) == 5
+    assert len(learner.monitors) == 5 and not learner.restarted
     learner.step()
     learner._write()  # the state of this step, whether or not it is the best held out
     states = [((rows.fold != k).nonzero().flatten(), monitor.weights()) for k, monitor in enumerate(learner.monitors)]
@@ -86,6 +89,26 @@ def test_a_step_of_the_learner_is_the_independent_float64_update():
         expected_w, expected_b = _numpy_step(rows, w0.numpy(), 1.5, 0.7, 2.0, picks, 1e-2, fitted.numpy())
         np.testing.assert_allclose(w.detach().numpy(), expected_w, rtol=1e-9, atol=1e-12)
         assert float(b.detach()) == pytest.approx(expected_b, rel=1e-9, abs=1e-12)
+
+
+def test_a_checkpoint_on_rows_its_read_out_misses_starts_from_their_ridge():
+    """A read-out fitted on another table: the ridge of the new rows reads them better on the folds, and the model
+    gets it (an independent float64 ridge on the standardised rows) before any step."""
+    rows = _rows(n=200, w=torch.tensor([0.2, 0.05, -1.0, 0.3, 0.001], dtype=torch.float64), b=-0.5)
+    w0 = torch.tensor([0.5, -0.02, 3.0, 0.1, 0.004], dtype=torch.float64)
+    action = _Action(w0, 1.5, 0.7)
+    learner = ValueLearner(action, rows, ValueLearning(), penalty=2.0)
+    assert learner.restarted
+    x, y = rows.x.numpy(), rows.y.numpy()
+    mean, std = x.mean(0), np.maximum(x.std(0, ddof=1), 1e-6)
+    a = (x - mean) / std
+    v = np.linalg.solve(a.T @ a + 2.0 * np.eye(x.shape[1]), a.T @ (y - y.mean()))
+    np.testing.assert_allclose(action.reg_head.weight.detach()[0].numpy(), v / std, rtol=1e-9)
+    assert float(action.reg_head.bias.detach()) == pytest.approx(y.mean() - float((v / std) @ mean), rel=1e-9)
+    # Read by its own read-out, a checkpoint keeps it.
+    kept = _Action(w0, 1.5, 0.7)
+    assert not ValueLearner(kept, _rows(n=200, w=w0, b=1.5), ValueLearning(), penalty=2.0).restarted
+    assert torch.equal(kept.reg_head.weight.detach()[0], w0)
 
 
 def _unseen_error(rows: LearningRows, states: list) -> float:
@@ -102,7 +125,7 @@ def test_the_guard_keeps_the_best_state_when_training_diverges():
     rows = _rows(n=60)
     w0 = torch.tensor([0.5, -0.02, 3.0, 0.1, 0.004], dtype=torch.float64)
     action = _Action(w0, 1.5, 0.7)
-    learner = ValueLearner(action, rows, ValueLearning(learning_rate=50.0), penalty=1.0)
+    learner = ValueLearner(action, rows, ValueLearning(learning_rate=50.0), penalty=1.0, fitted_on_rows=True)
     monitored = [[m.weights() for m in learner.monitors]]
     trained = [learner.readout.weights()]
     for _ in range(30):

@@ -240,14 +240,23 @@ class ValueLearner:
         w0 = head.weight.detach().double().cpu()[0].clone()
         b0 = float(head.bias.detach())
         self.noise = float(action.reg_log_noise.detach().exp()) if action.reg_log_noise is not None else 0.0
-        folds = int(rows.fold.max()) + 1 if len(rows.fold) else 0
-        self.monitors = [_WhitenedReadout(rows, rows.fold != k, w0, b0, penalty, settings, self.noise,
-                                          action.scale_min, from_ridge=fitted_on_rows) for k in range(folds)]
-        self.readout = _WhitenedReadout(rows, torch.ones_like(rows.fold, dtype=torch.bool), w0, b0, penalty, settings,
-                                        self.noise, action.scale_min, from_ridge=False)
-        self.steps = 0
         self.kinds = kinds_of(rows.x)
-        self.start_misses = (self.unseen_locations() - rows.y).abs()
+        self.monitors = self._monitors(w0, b0, from_ridge=fitted_on_rows)
+        # A checkpoint on new rows (not fitted on them) starts from its read-out, or from the ridge of the new rows
+        # where that reads them better on the folds (by `kinds_score`, every kind of row alike): a read-out fitted
+        # on another table can miss this one by far more than steps of Adam move it.
+        self.restarted = False
+        if not fitted_on_rows and len(self.monitors) > 1:
+            ridges = self._monitors(w0, b0, from_ridge=True)
+            if kinds_score(self._misses(ridges), self.kinds) < kinds_score(self._misses(self.monitors), self.kinds):
+                self.monitors, self.restarted = ridges, True
+        every = torch.ones_like(rows.fold, dtype=torch.bool)
+        self.readout = _WhitenedReadout(rows, every, w0, b0, penalty, settings, self.noise, action.scale_min,
+                                        from_ridge=self.restarted)
+        if self.restarted:
+            self._write()
+        self.steps = 0
+        self.start_misses = self._misses(self.monitors)
         with torch.no_grad():
             self.start_scales = self.readout.locations(slice(None))[1]
         self.start_widths = self._width_state()
@@ -256,11 +265,22 @@ class ValueLearner:
         self.record = LearningRecord(start_error=start, best_error=start)
         self.record.curve.append((0, start))
 
+    def _monitors(self, w0: torch.Tensor, b0: float, from_ridge: bool) -> list[_WhitenedReadout]:
+        """One read-out per fold, on the rows of the other folds."""
+        rows, action = self.rows, self.action
+        folds = int(rows.fold.max()) + 1 if len(rows.fold) else 0
+        return [_WhitenedReadout(rows, rows.fold != k, w0, b0, self.penalty, self.settings, self.noise,
+                                 action.scale_min, from_ridge=from_ridge) for k in range(folds)]
+
+    def _misses(self, monitors: list[_WhitenedReadout]) -> torch.Tensor:
+        """|loc − y| `[N]` of each row by the one of `monitors` that does not see it."""
+        return (self.unseen_locations(monitors) - self.rows.y).abs()
+
     @torch.no_grad()
-    def unseen_locations(self) -> torch.Tensor:
-        """Each row's location `[N]` by the monitor that does not see it."""
+    def unseen_locations(self, monitors: list[_WhitenedReadout] | None = None) -> torch.Tensor:
+        """Each row's location `[N]` by the monitor that does not see it (of `monitors`; None: the learner's)."""
         locations = torch.empty_like(self.rows.y)
-        for k, monitor in enumerate(self.monitors):
+        for k, monitor in enumerate(self.monitors if monitors is None else monitors):
             rows = (self.rows.fold == k).nonzero().flatten()
             locations[rows] = monitor.locations(rows)[0]
         return locations
