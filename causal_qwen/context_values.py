@@ -341,9 +341,9 @@ class CausalQwenContextValues(nn.Module):
         # §1c: where the guard says the read-out beats the path for this kind of query, its score rises by up to
         # 10⁴ (every other candidate's weight is then exactly 0 in float64, however far a copy's score was above the
         # read-out's); where the guard is ≤ 0 the choice is the fit's. The guard is fitted on held-out misses
-        # (`starts.path._fit_guard`), not by gradient: a step has none worth following, and 10⁴ times the choice's would
-        # move it far in one step wherever the path trains (FSDP, DeepSpeed); it stays in the graph at 0 so that every
-        # engine reduces it as it does the other parameters.
+        # (`starts.path_guard._fit_guard`), not by gradient: a step has none worth following, and 10⁴ times the
+        # choice's would move it far in one step wherever the path trains (FSDP, DeepSpeed); it stays in the graph at 0
+        # so that every engine reduces it as it does the other parameters.
         veto = GUARD_SCORE * guard.detach().clamp(0.0, 1.0) + 0.0 * guard
         choice = torch.cat((choice[..., :1] + veto, choice[..., 1:]), -1)
         return q, choice, raw_width.squeeze(-1)

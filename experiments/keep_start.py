@@ -330,9 +330,9 @@ def main() -> None:
     if args.path_off:
         config["context_values"] = False
     if args.calibration_dims is not None:  # a variant of the library's start: the widths' map reads more coordinates
-        from causal_qwen.starts import path as context_start
+        from causal_qwen.starts import path_widths
 
-        context_start._CALIBRATION_DIMS, context_start._ROWS_PER_WIDTH_DIM = args.calibration_dims, 1
+        path_widths._CALIBRATION_DIMS, path_widths._ROWS_PER_WIDTH_DIM = args.calibration_dims, 1
     profile = experiment.PROFILES["tiny" if args.tiny else "cpu"]
     tokenizer = CausalQwenTokenizer.from_pretrained(experiment.QWEN_DIR)
     results = prompt_completion(

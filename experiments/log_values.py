@@ -22,8 +22,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from causal_qwen import CausalQwenForCausalLM
-from causal_qwen.starts import fit_value_head
-from causal_qwen.starts import path as context_start
+from causal_qwen.starts import fit_value_head, path_rows
 
 NUM = 120
 
@@ -111,9 +110,9 @@ def main() -> None:
     parser.add_argument("--fit-patience", type=int, help="steps without a better held-out error (the library's: 200)")
     args = parser.parse_args()
     if args.fit_learning_rate is not None:
-        context_start._LEARNING_RATE = args.fit_learning_rate
+        path_rows._LEARNING_RATE = args.fit_learning_rate
     if args.fit_patience is not None:
-        context_start._PATIENCE = args.fit_patience
+        path_rows._PATIENCE = args.fit_patience
     expressible()
     fitted([int(s) for s in args.seeds.split(",")], args.batches)
 

@@ -67,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_experiment as experiment  # noqa: E402
 
 from causal_qwen import CausalQwenForCausalLM, CausalQwenTokenizer, cauchy  # noqa: E402
-from causal_qwen.context_values import entry_values  # noqa: E402
+from causal_qwen.context_values import MAX_LOG_WIDTH, entry_values  # noqa: E402
 from causal_qwen.data import (  # noqa: E402
     CausalQwenDataCollator,
     make_splits,
@@ -75,7 +75,15 @@ from causal_qwen.data import (  # noqa: E402
     template_baselines,
     tokenize_examples,
 )
-from causal_qwen.starts import PENALTIES, _read_rows_in_eval, _ridge, _write_readout  # noqa: E402
+from causal_qwen.starts import (  # noqa: E402
+    PENALTIES,
+    _read_rows_in_eval,
+    _ridge,
+    _write_readout,
+    path_pointer,
+    path_rows,
+    path_widths,
+)
 from causal_qwen.starts import path as context_start  # noqa: E402
 from causal_qwen.starts.path import ContextRows  # noqa: E402
 
@@ -267,9 +275,11 @@ def fit(model, saved: dict, seed: int, starts: int | None, only: str | None = No
                                             seed=seed, starts=starts, loo_residuals=loo)
 
 
-_LIBRARY = {name: getattr(context_start, name) for name in (
-    "_DIMS", "_PATIENCE", "_LEARNING_RATE", "_SCALES", "_COPY_TOLERANCE", "_CALIBRATION_DIMS", "_NLL_READS_UNSEEN",
-    "_LOCATIONS_READ_UNSEEN", "_WIDTHS_READ_UNSEEN", "_LOCATION_SMOOTHING")}
+_LIBRARY = {(module, name): getattr(module, name) for module, names in (
+    (context_start, ("_DIMS", "_SCALES", "_NLL_READS_UNSEEN", "_LOCATIONS_READ_UNSEEN", "_WIDTHS_READ_UNSEEN",
+                     "_LOCATION_SMOOTHING")),
+    (path_rows, ("_PATIENCE", "_LEARNING_RATE")), (path_pointer, ("_COPY_TOLERANCE",)),
+    (path_widths, ("_CALIBRATION_DIMS",))) for name in names}
 _ADAM = torch.optim.Adam
 _SYMLOG = cauchy.symlog
 _FIT_FROM = context_start._fit_from
@@ -299,14 +309,14 @@ def _median_width(small, transform, held_out, noise: float, floor: float) -> tup
     floor."""
     shift, reading = _CALIBRATE_WIDTH(small, transform, held_out, noise, floor)
     with torch.no_grad():
-        read = context_start._read(small, transform, held_out)
+        read = path_rows._read(small, transform, held_out)
     loc = (read.linear_weight * held_out.loc_linear[:, None] + read.offset)[:, 0]
     fixed = (read.linear_weight * held_out.spread[:, None])[:, 0]
     log_width = read.width[:, 0].log() + read.choice[:, 0] @ shift + held_out.queries[:, :len(reading)] @ reading
     residual = (held_out.target - loc).abs()
 
     def coverage(delta: float) -> float:
-        width = (log_width + delta).clamp(-context_start.MAX_LOG_WIDTH, context_start.MAX_LOG_WIDTH).exp()
+        width = (log_width + delta).clamp(-MAX_LOG_WIDTH, MAX_LOG_WIDTH).exp()
         return float((residual <= (fixed + noise * width).clamp(min=floor)).double().mean())
 
     low, high = -20.0, 20.0  # coverage rises with the shift
@@ -344,8 +354,8 @@ def arm(name: str) -> None:
     `widths-as-fitted` (the kept fit's widths fitted again on the leave-one-out locations before the calibration, its
     choice and locations as kept: `context_start._refit_widths`; or not), or `widths-middle` (their parameters
     halfway between the fit's and the refit's: `_middle_widths`)."""
-    for key, value in _LIBRARY.items():
-        setattr(context_start, key, value)
+    for (module, key), value in _LIBRARY.items():
+        setattr(module, key, value)
     context_start.torch.optim.Adam = _ADAM
     cauchy.symlog = _SYMLOG
     context_start._fit_from = _FIT_FROM
@@ -380,10 +390,10 @@ def arm(name: str) -> None:
             context_start._LOCATIONS_READ_UNSEEN = True
             continue
         if part.startswith("width-dims="):
-            context_start._CALIBRATION_DIMS = int(part.split("=")[1])
+            path_widths._CALIBRATION_DIMS = int(part.split("=")[1])
             continue
         if part.startswith("copy-tol="):
-            context_start._COPY_TOLERANCE = float(part.split("=")[1])
+            path_pointer._COPY_TOLERANCE = float(part.split("=")[1])
             continue
         if part == "zero-gradient":  # the raw-space combination as it was: no gradient at its start
             cauchy.symlog = _sign_times_log
@@ -392,11 +402,11 @@ def arm(name: str) -> None:
         if key == "dims":
             context_start._DIMS = int(value)
         elif key == "patience":
-            context_start._PATIENCE = int(value)
+            path_rows._PATIENCE = int(value)
         elif key == "smooth":  # the locations' loss √(r² + δ²) − δ, δ = value
             context_start._LOCATION_SMOOTHING = float(value)
         elif key == "lr":
-            context_start._LEARNING_RATE = float(value)
+            path_rows._LEARNING_RATE = float(value)
         elif key == "wd":
             context_start.torch.optim.Adam = lambda params, lr, decay=float(value): torch.optim.AdamW(
                 params, lr=lr, weight_decay=decay)
@@ -454,7 +464,7 @@ def held_out_as_read(model, split: dict, state: dict | None, as_read: int) -> tu
     else:
         small.load_state_dict(state)
     noise = float(model.action.reg_log_noise.exp())
-    loc, scale = context_start._value(small, model.config.value_transform, rows, noise)
+    loc, scale = path_rows._value(small, model.config.value_transform, rows, noise)
     nll = cauchy.nll(rows.target, loc, scale.clamp(min=model.config.scale_min))
     return nll[:as_read], loc[:as_read]
 
@@ -654,7 +664,7 @@ def common_width_shift(model, rows: dict, loc_linear: torch.Tensor) -> float:
         with torch.enable_grad():
             scale = (fixed + width * torch.exp(c - delta)).clamp(min=model.config.scale_min)
             cauchy.nll(rows["y"].double(), loc, scale).mean().backward()
-        return float(c.grad) + 2 * context_start._CALIBRATION_RIDGE * (a_s + b_s - 2 * delta)
+        return float(c.grad) + 2 * path_widths._CALIBRATION_RIDGE * (a_s + b_s - 2 * delta)
 
     if slope(0.0) <= 0:  # the saved widths are at the optimum or narrower: no shift beyond it
         return 0.0

@@ -571,7 +571,8 @@ def test_the_rows_of_copies_are_fitted_again_at_other_scales(transform, monkeypa
     as it was."""
     from causal_qwen import cauchy
     from causal_qwen.starts import path as context_start
-    from causal_qwen.starts.path import _Rows, _with_scaled_copies
+    from causal_qwen.starts.path import _with_scaled_copies
+    from causal_qwen.starts.path_rows import _Rows
 
     monkeypatch.setattr(context_start, "_SCALES", (0.01, 100.0))
     values = torch.tensor([[5.0, 100.0], [5.0, 0.0], [3.0, 0.0], [0.0, 0.0], [-8.0, 2.0], [7.0, 0.0]],
@@ -644,7 +645,7 @@ def test_the_starts_fit_reads_only_the_context_slots_some_row_fills():
     They weigh exactly 0: the value and the gradient of every parameter of a random path are the same over the rows
     padded with four empty slots as over the filled two."""
     from causal_qwen.context_values import entry_values
-    from causal_qwen.starts.path import _Rows, _value
+    from causal_qwen.starts.path_rows import _Rows, _value
 
     g = torch.Generator().manual_seed(5)
     n, dims, slots = 40, 8, 6
@@ -1010,7 +1011,8 @@ def test_the_fit_of_the_mean_keeps_its_share_in_a_blend_and_makes_the_averages_e
     0.01 at the read-out's rows."""
     from causal_qwen.cauchy import symexp, symlog
     from causal_qwen.context_values import CausalQwenContextValues, entry_values
-    from causal_qwen.starts.path import _fit_choice, _Rows
+    from causal_qwen.starts.path_choice import _fit_choice
+    from causal_qwen.starts.path_rows import _Rows
 
     g = torch.Generator().manual_seed(5)
     dims, kinds = 4, torch.arange(300) % 3  # 0: the mean is the target, 1: the blend, 2: the read-out
@@ -1228,7 +1230,7 @@ def _pointer_rows(n: int, g: torch.Generator, scale: float, role: int):
     features carrying its size (its log times one direction); the target repeats the number of role `role`. Returns
     the rows and the role of each slot `[n, 4]`."""
     from causal_qwen.cauchy import symlog
-    from causal_qwen.starts.path import _Rows
+    from causal_qwen.starts.path_rows import _Rows
 
     dims, slots = 64, 4
     roles = torch.stack([torch.randperm(slots, generator=g) for _ in range(n)])
@@ -1250,7 +1252,7 @@ def test_the_start_fits_the_pointer_to_the_copied_number(role):
     """Fitted to the numbers the targets repeat (120 rows, 30 held out), the pointer puts at least 0.99 on the number
     of the asked role at every one of 200 new rows a thousand times the scale, and under 0.01 on it where another
     role is asked; its keys read the role alone, the features before each number (the copies' rows of K at 0)."""
-    from causal_qwen.starts.path import _copy_scores, _fit_pointer
+    from causal_qwen.starts.path_pointer import _copy_scores, _fit_pointer
 
     g = torch.Generator().manual_seed(0)
     split = {False: _pointer_rows(120, g, 1.0, role)[0], True: _pointer_rows(30, g, 1.0, role)[0]}
@@ -1273,11 +1275,12 @@ def test_the_widths_calibration_leaves_a_coordinate_the_rows_do_not_vary_near_ze
     coordinate a weight of at most 1 in the width's map, where without its ridge the same fit put more than 50 there
     (a width that swings by e^±40 at an input where the coordinate moves by 1, as it does on other text)."""
     from causal_qwen.cauchy import symlog
-    from causal_qwen.starts import path as context_start
-    from causal_qwen.starts.path import _calibrate_width, _Rows
+    from causal_qwen.starts import path_widths
+    from causal_qwen.starts.path_rows import _Rows
+    from causal_qwen.starts.path_widths import _calibrate_width
 
     if ridge is not None:
-        monkeypatch.setattr(context_start, "_CALIBRATION_RIDGE", ridge)
+        monkeypatch.setattr(path_widths, "_CALIBRATION_RIDGE", ridge)
     g = torch.Generator().manual_seed(0)
     n, dims, slots = 100, 8, 3
     values = torch.exp(torch.randn(n, slots, generator=g, dtype=torch.float64)) * 10

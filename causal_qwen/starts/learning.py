@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cauchy import nll
-from .path import _CALIBRATION_DIMS, _CALIBRATION_RIDGE
+from .path_widths import _CALIBRATION_DIMS, _CALIBRATION_RIDGE
 
 __all__ = ["ValueLearning", "ValueLearner", "LearningRows", "LearningRecord"]
 
