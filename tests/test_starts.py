@@ -371,12 +371,21 @@ def test_trainer_does_not_refit_a_reloaded_model(model, tmp_path):
     model.save_pretrained(tmp_path / "saved")
     reloaded = CausalQwenForCausalLM.from_pretrained(tmp_path / "saved")
     assert reloaded.config.value_head_fit == model.config.value_head_fit is not None
-    head = reloaded.action.reg_head.bias.detach().clone()
+    head = reloaded.action.reg_head.weight.detach().clone()
+    bias = reloaded.action.reg_head.bias.detach().clone()
+    # The read-out held (no learning): nothing fits it again.
     again = CausalQwenTrainer(model=reloaded, args=_args(tmp_path / "b", 1, learning_rate=1e-12), train_dataset=data,
-                              data_collator=CausalQwenDataCollator(0))
+                              data_collator=CausalQwenDataCollator(0), value_learning=None)
     again.train()
     assert again.value_head_start.fit is None
-    torch.testing.assert_close(reloaded.action.reg_head.bias, head, rtol=0, atol=1e-9)
+    torch.testing.assert_close(reloaded.action.reg_head.bias, bias, rtol=0, atol=1e-9)
+    # Learning (the default): it trains from the reloaded read-out, which reads these rows as it was fitted to.
+    learning = CausalQwenTrainer(model=reloaded, args=_args(tmp_path / "c", 1, learning_rate=1e-12),
+                                 train_dataset=data, data_collator=CausalQwenDataCollator(0))
+    learning.train()
+    learner = learning.value_head_start.learner
+    assert learning.value_head_start.fit is None and not learner.restarted
+    torch.testing.assert_close(learner.readout.w0.float(), head[0], rtol=0, atol=0)
 
 
 def test_trainer_does_not_refit_when_resuming(tiny_qwen, tmp_path):
