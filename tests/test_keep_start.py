@@ -119,9 +119,9 @@ def value_side_parameters(model) -> dict[str, torch.Tensor]:
 def test_training_keeps_the_features_out_of_the_optimizer_and_trains_the_decisions(tiny_qwen, tmp_path,
                                                                                    context_values, learning):
     """By default the value read-out and the features it reads are held out of the optimizer: the read-out learns
-    on the start's rows by its own steps (value_learning.py), the features and the path stay the start's, and the
-    class decisions learn. With `value_learning=None` the model predicts every held-out value's location after
-    training exactly as right after the start, with no refit."""
+    on the start's rows by its own steps (starts/learning.py) and its widths follow, the features and the rest of the
+    path stay the start's, and the class decisions learn. With `value_learning=None` the model predicts every
+    held-out value's location after training exactly as right after the start, with no refit."""
     train, held_out = related(256, seed=1), related(64, seed=2)
     model = fresh(tiny_qwen, context_values=context_values)
     at_start = {}
@@ -146,9 +146,13 @@ def test_training_keeps_the_features_out_of_the_optimizer_and_trains_the_decisio
     learner = trainer.value_head_start.learner
     assert (learner is not None) == learning
     learnt = learning and learner.record.best_step > 0
+    # The widths follow what the read-out learnt: the path's width map, or γ_Y without the path.
+    widths = ("abduction.context_values.width.",) if context_values else ("action.reg_log_noise",)
     for name, param in value_side.items():
         if learnt and name.startswith("action.reg_head"):
             assert not torch.equal(param.detach(), at_start["params"][name])  # the read-out learnt
+        elif learnt and name.startswith(widths):
+            assert torch.isfinite(param).all()
         else:
             torch.testing.assert_close(param.detach(), at_start["params"][name], rtol=0, atol=0, msg=name)
     assert not torch.equal(model.action.cls_head.weight, at_start["cls"])  # the decisions trained
