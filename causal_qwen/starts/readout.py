@@ -128,7 +128,6 @@ class _StartRows:
     is_num: torch.Tensor
     x_scale: torch.Tensor | None = None  # scale_U at the rows of `x`, with the context-value path
     context: ContextRows | None = None  # the path's rows, aligned with `x`
-    loo: torch.Tensor | None = None  # the ridge read-out's leave-one-out residuals at `x`, once fitted
 
 
 @torch.no_grad()
@@ -531,7 +530,6 @@ def _fit_value_side(model, rows: _StartRows, penalties: Sequence[float], context
     refits from random starts alone landed in other minima than the start's, and the end-of-training check of trained
     features restored features that had not moved."""
     penalty, error, noise, loo = _write_readout(model, rows.x, rows.y, penalties)
-    rows.loo = loo
     fields = {"positions": int(rows.x.shape[0]), "penalty": penalty, "loo_median_abs_error": error,
               "regression_noise": noise}
     if rows.context is not None:
@@ -572,33 +570,25 @@ def _learning_rows(model, rows: _StartRows) -> LearningRows:
 
 @dataclass
 class ValueStart:
-    """What [`start_value_side`] returns: the record of the fit, the rows the read-out trains on after it, and the
-    start's locations there as it predicts rows it did not see (the read-out's leave-one-out locations; `[N]`)."""
+    """What [`start_value_side`] returns: the record of the fit, and the rows the read-out trains on after it."""
 
     fit: ValueHeadFit
     rows: LearningRows
-    start_locations: torch.Tensor
 
 
 def read_value_rows(model, batches: Iterable[Mapping[str, torch.Tensor]], *, max_positions: int = 4096,
                     penalties: Sequence[float] = PENALTIES) -> ValueStart:
     """The rows the read-out trains on, read from `batches` for a model whose value side is fitted already (a
-    checkpoint fine-tuned on new data, a resumed run): nothing is written; the "start" is the model as it is, scored
-    on the held-out rows by its own locations."""
+    checkpoint fine-tuned on new data, a resumed run): nothing is written; the "start" is the model as it is."""
     rows = _read_rows_in_eval(model, batches, max_positions, 0, "read_value_rows")
-    learning = _learning_rows(model, rows)
-    w = model.action.reg_head.weight.detach().double().cpu()[0]
-    locations = learning.linear_weight * (rows.x @ w + float(model.action.reg_head.bias)) + learning.offset
     penalty = (model.config.value_head_fit or {}).get("penalty", penalties[len(penalties) // 2])
     fit = ValueHeadFit(positions=int(rows.x.shape[0]), penalty=float(penalty), loo_median_abs_error=math.nan,
                        regression_noise=None)
-    return ValueStart(fit, learning, locations)
+    return ValueStart(fit, _learning_rows(model, rows))
 
 
 def _value_start(model, fit: ValueHeadFit, rows: _StartRows) -> ValueStart:
-    learning = _learning_rows(model, rows)
-    locations = learning.linear_weight * (rows.y - rows.loo) + learning.offset
-    return ValueStart(fit, learning, locations)
+    return ValueStart(fit, _learning_rows(model, rows))
 
 
 def fit_value_head(
