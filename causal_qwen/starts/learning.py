@@ -34,6 +34,7 @@ coordinates, and the value's width log ρ gets that map, through the abduction's
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -344,19 +345,27 @@ class ValueLearner:
         with torch.no_grad():
             spread = r.linear_weight * (r.s @ self.readout.weights()[0].abs())
         target = (torch.maximum(wanted - spread, wanted * _LEAST_SHARE) / (self.noise * r.width)).log()
-        n = len(r.x)
-        dims = min(_CALIBRATION_DIMS, r.x.shape[1], n // _ROWS_PER_MAP_DIM)
-        mean, std = r.x.mean(0), r.x.std(0).clamp(min=1e-6)
-        standard = (r.x - mean) / std
-        _, singular, vh = torch.linalg.svd(standard, full_matrices=False)
-        # Unit-variance coordinates, so that one ridge weighs each alike.
-        to_coords = vh[:dims].T / (singular[:dims] / math.sqrt(n)).clamp(min=1e-12)
-        design = torch.cat((torch.ones(n, 1, dtype=r.x.dtype), standard @ to_coords), 1)
-        penalty = torch.full((dims + 1,), _CALIBRATION_RIDGE * n, dtype=r.x.dtype)
-        penalty[0] = 0.0  # the shift is not penalised
-        fit = torch.linalg.solve(design.T @ design + penalty.diag(), design.T @ target)
-        alpha = (to_coords @ fit[1:]) / std
+        design, gram, to_x, mean = self._width_design
+        fit = torch.linalg.solve(gram, design.T @ target)
+        alpha = to_x @ fit[1:]
         return alpha, float(fit[0] - (alpha * mean).sum())
+
+    @functools.cached_property
+    def _width_design(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What `width_map` regresses on, the same at every write (the rows do not change): the design `[N, 1 + d]`
+        (1 and the rows' leading d principal coordinates, of unit variance so that one ridge weighs each alike), its
+        penalised Gram matrix, the map from coordinates back to x's weights `[C, d]`, and x's mean `[C]`."""
+        x = self.rows.x
+        n = len(x)
+        dims = min(_CALIBRATION_DIMS, x.shape[1], n // _ROWS_PER_MAP_DIM)
+        mean, std = x.mean(0), x.std(0).clamp(min=1e-6)
+        standard = (x - mean) / std
+        _, singular, vh = torch.linalg.svd(standard, full_matrices=False)
+        to_coords = vh[:dims].T / (singular[:dims] / math.sqrt(n)).clamp(min=1e-12)
+        design = torch.cat((torch.ones(n, 1, dtype=x.dtype), standard @ to_coords), 1)
+        penalty = torch.full((dims + 1,), _CALIBRATION_RIDGE * n, dtype=x.dtype)
+        penalty[0] = 0.0  # the shift is not penalised
+        return design, design.T @ design + penalty.diag(), to_coords / std[:, None], mean
 
     @torch.no_grad()
     def _follow_widths(self, misses: torch.Tensor) -> None:
