@@ -439,7 +439,7 @@ def run_generate(args) -> int:
         **batch, mode=args.mode, shared_individual=args.shared_individual, shared_noise=args.shared_noise,
         do_sample=args.do_sample or None, max_new_tokens=args.max_new_tokens,
         generator=torch.Generator().manual_seed(args.seed), return_dict_in_generate=True,
-        output_value_scores=True, pad_token_id=tokenizer.pad_token_id, **sampling,
+        output_value_scores=args.intervals or not args.full_precision, pad_token_id=tokenizer.pad_token_id, **sampling,
     )
     start = batch["input_ids"].shape[1]
     for row, prompt in enumerate(args.prompt):
