@@ -2,18 +2,19 @@
 independent float64 computation, the held-out guard, order-insensitive starts, the global random state, the settings
 object, and the value a prompt asks for next."""
 
+import copy
 import dataclasses
 import math
 
 import numpy as np
 import pytest
 import torch
-from test_keep_start import args, eval_forward, fresh, keyed
+from test_keep_start import NUM, args, eval_forward, fresh, keyed
 from transformers import TrainerCallback
 
 from causal_qwen import CausalQwenForCausalLM, CausalQwenTokenizer
 from causal_qwen.data.collator import CausalQwenDataCollator
-from causal_qwen.starts import LearningRows, ValueLearner, ValueLearning, fit_value_head
+from causal_qwen.starts import LearningRows, ValueLearner, ValueLearning, fit_value_head, start_on_new_data
 from causal_qwen.training import CausalQwenTrainer
 
 
@@ -340,3 +341,87 @@ def test_the_trainer_starts_the_same_from_data_in_any_order_and_seed(tiny_qwen, 
                        if name.startswith(("action.reg_head", "action.reg_log_noise", "abduction.context_values"))})
     for name in states[0]:
         assert torch.equal(states[0][name], states[1][name]), name
+
+
+def _copied(n: int, seed: int) -> list[dict]:
+    """Texts whose second number repeats the first: the context-value path learns to copy it."""
+    g = torch.Generator().manual_seed(seed)
+    examples = []
+    for _ in range(n):
+        ids = torch.randint(1, 100, (10,), generator=g)
+        ids[3] = ids[7] = NUM
+        values = [0.0] * 10
+        values[3] = values[7] = float(torch.rand((), generator=g, dtype=torch.float64)) * 1000
+        examples.append({"input_ids": ids.tolist(), "numeric_values": values})
+    return examples
+
+
+def _batches(data: list[dict]) -> list[dict]:
+    collate = CausalQwenDataCollator(0)
+    return [collate(data[i:i + 8]) for i in range(0, len(data), 8)]
+
+
+def _value_side(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()
+            if name.startswith(("action.reg_head", "action.reg_log_noise", "abduction.context_values"))}
+
+
+def _held_out_error(model, data: list[dict]) -> float:
+    out, where, y = eval_forward(model, data)
+    return float((out.loc_Y[:, :-1][where].double() - y).abs().median())
+
+
+def test_a_checkpoint_on_another_table_gets_a_value_side_fitted_afresh(tiny_qwen):
+    """Fitted on copies, then started on keyed texts (whose answer no earlier number gives): the value side is fitted
+    afresh on them, exactly as a start of the checkpoint's copy fits it, and reads new keyed texts better than the
+    checkpoint's."""
+    model = fresh(tiny_qwen, context_values=True)
+    fit_value_head(model, _batches(_copied(200, seed=6)), context_starts=1)
+    decision = {k: v for k, v in model.config.value_head_fit.items() if k.startswith("num_")}
+    checkpoint = copy.deepcopy(model)
+    new, held_out = keyed(200, seed=7), keyed(128, seed=8)
+    start = start_on_new_data(model, _batches(new), context_starts=1)
+    assert start.fitted_on_rows
+    assert _held_out_error(model, held_out) < 0.5 * _held_out_error(checkpoint, held_out)
+    reference = copy.deepcopy(checkpoint)
+    fit_value_head(reference, _batches(new), num_row=False, context_starts=1)
+    for name, value in _value_side(reference).items():
+        torch.testing.assert_close(_value_side(model)[name], value, rtol=0, atol=0, msg=name)
+    # The <NUM> decision is the checkpoint's, and its record.
+    assert torch.equal(model.action.cls_head.weight, checkpoint.action.cls_head.weight)
+    assert {k: v for k, v in model.config.value_head_fit.items() if k.startswith("num_")} == decision
+
+
+def test_a_checkpoint_on_a_few_rows_of_its_own_table_keeps_its_value_side(tiny_qwen):
+    """Fitted on 400 keyed texts, then started on 25 more: a fit of the 25 reads them worse on the folds, the
+    checkpoint's value side stays to the bit, and it reads new keyed texts better than that fit would."""
+    model = fresh(tiny_qwen, context_values=True)
+    fit_value_head(model, _batches(keyed(400, seed=9)), context_starts=1)
+    before, record = _value_side(model), dict(model.config.value_head_fit)
+    few, held_out = keyed(25, seed=10), keyed(128, seed=11)
+    afresh = copy.deepcopy(model)
+    fit_value_head(afresh, _batches(few), num_row=False, context_starts=1)
+    start = start_on_new_data(model, _batches(few), context_starts=1)
+    assert not start.fitted_on_rows
+    for name, value in before.items():
+        assert torch.equal(_value_side(model)[name], value), name
+    assert model.config.value_head_fit == record
+    assert _held_out_error(model, held_out) < _held_out_error(afresh, held_out)
+
+
+def test_the_trainer_starts_a_checkpoint_on_another_table_afresh(tiny_qwen, tmp_path):
+    """`CausalQwenTrainer` on a checkpoint fitted on copies, trained on keyed texts: its start fits the value side
+    afresh, so the trained model reads new keyed texts as a fresh conversion trained on them does."""
+    held_out = keyed(128, seed=8)
+    results = {}
+    for name in ("checkpoint", "fresh"):
+        model = fresh(tiny_qwen, context_values=True)
+        if name == "checkpoint":
+            fit_value_head(model, _batches(_copied(200, seed=6)), context_starts=1)
+            before = _held_out_error(model, held_out)
+        trainer = CausalQwenTrainer(model=model, args=args(tmp_path, 2), train_dataset=keyed(200, seed=7),
+                                    data_collator=CausalQwenDataCollator(0))
+        trainer.train()
+        results[name] = _held_out_error(model, held_out)
+    assert results["checkpoint"] < 0.5 * before
+    assert results["checkpoint"] <= 1.2 * results["fresh"]

@@ -4,7 +4,8 @@ Read top to bottom:
 
 - [`readout`](readout.py): one pass over the training data reads the value rows (loc_U where the next label is
   `<NUM>`, in an order of their own content), fits the ridge read-out and the `<NUM>` decision, then the path
-  (`fit_value_head`, `start_value_side`, `refit_value_readout`, `read_value_rows`).
+  (`fit_value_head`, `start_value_side`, `refit_value_readout`, `read_value_rows`), and for a checkpoint on new
+  data, its value side or one fitted afresh, whichever reads the new rows better (`start_on_new_data`).
 - [`path`](path.py): the context-value path's fit on the rows' leading principal coordinates, the read-out's guard of
   §1c, and the widths' calibration.
 - [`learning`](learning.py): the read-out trained by gradient from its start on the rows the start read, in whitened
@@ -31,6 +32,7 @@ from .readout import (
     read_value_rows,
     refit_value_readout,
     ridge_readout,
+    start_on_new_data,
     start_value_side,
 )
 
@@ -53,6 +55,7 @@ __all__ = [
     "readout_parameters",
     "refit_value_readout",
     "ridge_readout",
+    "start_on_new_data",
     "start_value_side",
     "value_side_parameters",
 ]

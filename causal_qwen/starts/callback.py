@@ -20,7 +20,13 @@ from ..cauchy import transform_values
 from ..labels import next_token_targets
 from .learning import ValueLearner, ValueLearning
 from .path import held_out_rows
-from .readout import NotEnoughNumbersError, read_value_rows, refit_value_readout, start_value_side
+from .readout import (
+    NotEnoughNumbersError,
+    read_value_rows,
+    refit_value_readout,
+    start_on_new_data,
+    start_value_side,
+)
 
 __all__ = ["DEFAULT_VALUE_LEARNING", "ValueHeadStartCallback", "parameter_path", "readout_parameters",
            "value_side_parameters"]
@@ -92,11 +98,13 @@ class ValueHeadStartCallback(TrainerCallback):
     """Fit the value head on the training data when training begins (`fit_value_head`), once per model, and keep
     the read-out fitted to loc_U as training moves it (`refit_readout`, the default).
 
-    The start does nothing when the model has no value head, was fitted already (`config.value_head_fit`, saved with
-    the checkpoint), or when a run resumes from a checkpoint (global step > 0): the checkpoint's weights hold the
-    fit. The rows come from the training set read in order (the evaluation loader of `trainer.train_dataset`, so it
-    does not consume the random state that shuffles training). Under several processes each reads its own shard and
-    the fit of process 0 is broadcast, so every replica starts from the same head. Data with fewer than 3 `<NUM>`
+    The start does nothing when the model has no value head or when a run resumes from a checkpoint (global step >
+    0): the checkpoint's weights hold the fit. A model fitted already (`config.value_head_fit`, saved with the
+    checkpoint) and trained from step 0, as on new data, keeps its value side or gets one fitted afresh on this data,
+    whichever reads it better on held-out folds (`start_on_new_data`). The rows come from the training set read in
+    order (the evaluation loader of `trainer.train_dataset`, so it does not consume the random state that shuffles
+    training). Under several processes each reads its own shard and the fit of process 0 is broadcast, so every
+    replica starts from the same head. Data with fewer than 3 `<NUM>`
     targets (text-only data has none) cannot be fitted: the start and the refits are then skipped, with one warning.
 
     With `refit_readout` the read-out (`w_reg`, `b_reg`, γ_Y, the context-value path) is held out of the optimizer
@@ -223,14 +231,13 @@ class ValueHeadStartCallback(TrainerCallback):
             self._start = None
             return
         start = getattr(self, "_start", None)
-        fitted_on_rows = start is not None
         if start is None:
             try:
                 start = read_value_rows(model, self._train_rows(), max_positions=self.max_positions)
             except NotEnoughNumbersError:
                 return
         self.learner = ValueLearner(model.action, start.rows, self.learning, start.fit.penalty,
-                                    fitted_on_rows=fitted_on_rows, abduction=model.abduction)
+                                    fitted_on_rows=start.fitted_on_rows, abduction=model.abduction)
         self._start = None  # the rows live in the learner now
         if self.trainer.is_world_process_zero():
             logger.warning(f"value side: {len(start.rows.y)} rows train the read-out from its start, each held out of "
@@ -239,7 +246,10 @@ class ValueHeadStartCallback(TrainerCallback):
 
     def _fit(self, model, resuming: bool) -> None:
         config = getattr(model, "config", None)
-        if not _has_value_head(model) or config.value_head_fit is not None or resuming:
+        if not _has_value_head(model) or resuming:
+            return
+        if config.value_head_fit is not None:
+            self._start_fitted(model)
             return
         try:
             start = start_value_side(model, self._train_rows(), max_positions=self.max_positions)
@@ -256,6 +266,21 @@ class ValueHeadStartCallback(TrainerCallback):
                               "value head trains from where it is")
             return
         self.fit = fit
+
+    def _start_fitted(self, model) -> None:
+        """A model fitted before (a checkpoint) at step 0: its value side, or one fitted afresh on this data where
+        that reads it better (`start_on_new_data`). Data without numbers leaves it as it is."""
+        try:
+            start = start_on_new_data(model, self._train_rows(), learning=self.learning,
+                                      max_positions=self.max_positions)
+        except NotEnoughNumbersError:
+            start = None
+        _broadcast_value_head(model)
+        self._start = start
+        if start is not None and self.trainer.is_world_process_zero():
+            logger.warning("value side: " + ("fitted afresh on this data, which the checkpoint's value side read worse"
+                                             if start.fitted_on_rows else "the checkpoint's, which reads this data "
+                                             "better than one fitted afresh on it"))
 
     def _refit(self, model, step: int) -> None:
         if (not self.refit_readout or not self._features_train or not _has_value_head(model)

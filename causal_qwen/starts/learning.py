@@ -43,7 +43,7 @@ import torch
 from ..cauchy import nll
 from .path_widths import _CALIBRATION_DIMS, _CALIBRATION_RIDGE
 
-__all__ = ["ValueLearning", "ValueLearner", "LearningRows", "LearningRecord"]
+__all__ = ["ValueLearning", "ValueLearner", "LearningRows", "LearningRecord", "start_score"]
 
 
 # A kind of row may end at most this much worse (median |loc − y| in the head's space, about 1% of a value in
@@ -218,6 +218,58 @@ class _WhitenedReadout:
             self.optimizer.step()
 
 
+def _fold_readouts(action, rows: LearningRows, settings: ValueLearning, penalty: float,
+                   from_ridge: bool) -> list[_WhitenedReadout]:
+    """One read-out per fold, on the rows of the other folds, from `action`'s read-out or from the ridge of its
+    rows."""
+    head = action.reg_head
+    w0, b0 = head.weight.detach().double().cpu()[0].clone(), float(head.bias.detach())
+    noise = float(action.reg_log_noise.detach().exp()) if action.reg_log_noise is not None else 0.0
+    folds = int(rows.fold.max()) + 1 if len(rows.fold) else 0
+    return [_WhitenedReadout(rows, rows.fold != k, w0, b0, penalty, settings, noise, action.scale_min,
+                             from_ridge=from_ridge) for k in range(folds)]
+
+
+@torch.no_grad()
+def _unseen_locations(rows: LearningRows, readouts: list[_WhitenedReadout]) -> torch.Tensor:
+    """Each row's location `[N]` by the one of `readouts` (one per fold) that does not see it."""
+    locations = torch.empty_like(rows.y)
+    for k, readout in enumerate(readouts):
+        held = (rows.fold == k).nonzero().flatten()
+        locations[held] = readout.locations(held)[0]
+    return locations
+
+
+def _unseen_misses(rows: LearningRows, readouts: list[_WhitenedReadout]) -> torch.Tensor:
+    """|loc − y| `[N]` of each row by the one of `readouts` that does not see it."""
+    return (_unseen_locations(rows, readouts) - rows.y).abs()
+
+
+def _readout_start(action, rows: LearningRows, settings: ValueLearning, penalty: float, fitted_on_rows: bool,
+                   kinds: torch.Tensor) -> tuple[list[_WhitenedReadout], bool, float]:
+    """The monitors the learner starts from, whether the model's read-out is replaced by the ridge of the rows (a
+    checkpoint's, where that reads them better), and the monitors' `kinds_score` on the rows they do not see.
+
+    A read-out fitted on these rows (`fitted_on_rows`) would score its own rows in-sample: the monitors start from
+    the ridge of theirs. A checkpoint on new rows starts from its read-out, or from the ridge of the new rows where
+    that reads them better on the folds (every kind of row alike): a read-out fitted on another table can miss this
+    one by far more than steps of Adam move it."""
+    monitors = _fold_readouts(action, rows, settings, penalty, from_ridge=fitted_on_rows)
+    score = kinds_score(_unseen_misses(rows, monitors), kinds) if len(rows.y) else math.inf
+    if fitted_on_rows or len(monitors) < 2:
+        return monitors, False, score
+    ridges = _fold_readouts(action, rows, settings, penalty, from_ridge=True)
+    ridge_score = kinds_score(_unseen_misses(rows, ridges), kinds)
+    return (ridges, True, ridge_score) if ridge_score < score else (monitors, False, score)
+
+
+def start_score(action, rows: LearningRows, settings: ValueLearning, penalty: float, fitted_on_rows: bool) -> float:
+    """What the start of the learner scores on `rows` (`kinds_score` of the monitors' misses on the rows they do not
+    see, in the head's space; lower is better), for the value side `action` and the path's read in `rows` hold:
+    what chooses between a checkpoint's value side and one fitted afresh on new data (`starts.readout`)."""
+    return _readout_start(action, rows, settings, penalty, fitted_on_rows, kinds_of(rows.x))[2]
+
+
 class ValueLearner:
     """Trains `w_reg`, `b_reg` of `action` on `rows` (module docstring) and writes the state the rows it did not see
     choose into the model, with the widths that follow it. `penalty` is the ridge penalty of the start (on
@@ -242,15 +294,7 @@ class ValueLearner:
         b0 = float(head.bias.detach())
         self.noise = float(action.reg_log_noise.detach().exp()) if action.reg_log_noise is not None else 0.0
         self.kinds = kinds_of(rows.x)
-        self.monitors = self._monitors(w0, b0, from_ridge=fitted_on_rows)
-        # A checkpoint on new rows (not fitted on them) starts from its read-out, or from the ridge of the new rows
-        # where that reads them better on the folds (by `kinds_score`, every kind of row alike): a read-out fitted
-        # on another table can miss this one by far more than steps of Adam move it.
-        self.restarted = False
-        if not fitted_on_rows and len(self.monitors) > 1:
-            ridges = self._monitors(w0, b0, from_ridge=True)
-            if kinds_score(self._misses(ridges), self.kinds) < kinds_score(self._misses(self.monitors), self.kinds):
-                self.monitors, self.restarted = ridges, True
+        self.monitors, self.restarted, _ = _readout_start(action, rows, settings, penalty, fitted_on_rows, self.kinds)
         every = torch.ones_like(rows.fold, dtype=torch.bool)
         self.readout = _WhitenedReadout(rows, every, w0, b0, penalty, settings, self.noise, action.scale_min,
                                         from_ridge=self.restarted)
@@ -266,25 +310,12 @@ class ValueLearner:
         self.record = LearningRecord(start_error=start, best_error=start)
         self.record.curve.append((0, start))
 
-    def _monitors(self, w0: torch.Tensor, b0: float, from_ridge: bool) -> list[_WhitenedReadout]:
-        """One read-out per fold, on the rows of the other folds."""
-        rows, action = self.rows, self.action
-        folds = int(rows.fold.max()) + 1 if len(rows.fold) else 0
-        return [_WhitenedReadout(rows, rows.fold != k, w0, b0, self.penalty, self.settings, self.noise,
-                                 action.scale_min, from_ridge=from_ridge) for k in range(folds)]
-
     def _misses(self, monitors: list[_WhitenedReadout]) -> torch.Tensor:
-        """|loc − y| `[N]` of each row by the one of `monitors` that does not see it."""
-        return (self.unseen_locations(monitors) - self.rows.y).abs()
+        return _unseen_misses(self.rows, monitors)
 
-    @torch.no_grad()
-    def unseen_locations(self, monitors: list[_WhitenedReadout] | None = None) -> torch.Tensor:
-        """Each row's location `[N]` by the monitor that does not see it (of `monitors`; None: the learner's)."""
-        locations = torch.empty_like(self.rows.y)
-        for k, monitor in enumerate(self.monitors if monitors is None else monitors):
-            rows = (self.rows.fold == k).nonzero().flatten()
-            locations[rows] = monitor.locations(rows)[0]
-        return locations
+    def unseen_locations(self) -> torch.Tensor:
+        """Each row's location `[N]` by the monitor that does not see it."""
+        return _unseen_locations(self.rows, self.monitors)
 
     def step(self) -> float:
         """One step of every read-out; writes the model's where the monitors' is the best so far. Returns the
