@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .generation_modes import DECISION_RULES
 from .generation_options import GenerationOptionError, check_generation_options
-from .numbers import format_number, round_to_interval, supported_place
+from .numbers import format_number, supported_place
 
 __all__ = ["main", "build_parser"]
 
@@ -442,14 +442,12 @@ def run_generate(args) -> int:
         output_value_scores=args.intervals or not args.full_precision, pad_token_id=tokenizer.pad_token_id, **sampling,
     )
     start = batch["input_ids"].shape[1]
+    values = out.numeric_values
+    if not args.full_precision and out.loc_Y is not None:
+        values = model.round_generated_numbers(out.sequences, values, out.loc_Y, out.scale_Y)
     for row, prompt in enumerate(args.prompt):
-        values = out.numeric_values[row, start:].clone()
-        if not args.full_precision and out.loc_Y is not None:
-            for step in _number_steps(model, out, row, start):
-                _, low, high = model.value_interval(out.loc_Y[row, step], out.scale_Y[row, step], 0.5)
-                written = float(values[step])  # sampled modes write a draw, which the interval may not hold
-                values[step] = round_to_interval(written, min(low.item(), written), max(high.item(), written))
-        text = tokenizer.decode(out.sequences[row, start:], numeric_values=values, skip_special_tokens=True)
+        ids = out.sequences[row, start:]
+        text = tokenizer.decode(ids, numeric_values=values[row, start:], skip_special_tokens=True)
         print(prompt + text)
         if args.intervals:
             _print_intervals(model, out, row, start, args.full_precision)

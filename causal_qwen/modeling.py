@@ -43,6 +43,7 @@ from .loading import CausalQwenLoadingMixin, check_config_matches_modules, inver
 from .loss import AnchorTerm, DecisionScores, FusedHead, LossOptions, Tiling, causal_qwen_loss
 from .migrations import ADDED, register_checkpoint_conversions, upgrade_state_dict
 from .next_value import next_values
+from .numbers import round_to_interval
 from .outputs import CausalQwenActionOutput, CausalQwenOutput, keep_positions
 
 # The loss's keywords of the forward, which `Trainer` (the counts) and context parallelism (the shifted labels) pass.
@@ -557,6 +558,30 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenLoadingMixin, K
         loc, scale = loc_y.to(device, torch.float64), scale_y.to(device, torch.float64)
         lower, upper = cauchy.central_interval(loc, scale, coverage)
         return tuple(self.to_value(b) for b in (loc, lower, upper))
+
+    @torch.no_grad()
+    def round_generated_numbers(self, sequences: torch.Tensor, numeric_values: torch.Tensor, loc_y: torch.Tensor,
+                                scale_y: torch.Tensor) -> torch.Tensor:
+        """`numeric_values` `[B, L]` of `generate`'s `sequences` `[B, L]`, with each generated number rounded to the
+        digits its 50% interval supports ([`numbers.round_to_interval`]), as `causal-qwen generate` and the
+        text-generation pipeline write them. `loc_y`, `scale_y` `[B, T]` are `generate`'s (`output_value_scores=True`)
+        for the last T positions of `sequences`; a sampled value outside its interval is rounded to the digits of the
+        interval stretched to hold it. Prompt numbers and positions without a finite interval keep every digit."""
+        if sequences.shape != numeric_values.shape or loc_y.shape != scale_y.shape or loc_y.dim() != 2 \
+                or loc_y.shape[0] != sequences.shape[0] or loc_y.shape[1] > sequences.shape[1]:
+            raise ValueError(f"round_generated_numbers needs sequences and numeric_values [B, L] and loc_y, scale_y "
+                             f"[B, T ≤ L]; got {tuple(sequences.shape)}, {tuple(numeric_values.shape)}, "
+                             f"{tuple(loc_y.shape)}, {tuple(scale_y.shape)}")
+        values = numeric_values.clone()
+        steps = loc_y.shape[1]
+        generated = values[:, values.shape[1] - steps:]  # a view: rounding it rounds `values`
+        where = (sequences[:, sequences.shape[1] - steps:] == self.config.num_token_id) & loc_y.isfinite()
+        _, low, high = self.value_interval(loc_y, scale_y, 0.5)
+        for row, step in where.nonzero().tolist():
+            written = float(generated[row, step])
+            bounds = min(float(low[row, step]), written), max(float(high[row, step]), written)
+            generated[row, step] = round_to_interval(written, *bounds)
+        return values
 
     def next_value(self, tokenizer, prompts, levels=(0.5, 0.9), batch_size: int = 16):
         """The value each prompt asks for next: a [`next_value.NextValue`] (median, central intervals at `levels`)

@@ -28,6 +28,10 @@ class CausalQwenTextGenerationPipeline(TextGenerationPipeline):
 
     Generation arguments of CausalQwen (`mode`, `generator`, `shared_individual`, ...) pass through:
     `pipe(prompt, mode="causal", generator=torch.Generator().manual_seed(0), max_new_tokens=20)`.
+
+    A generated number is written with the digits its 50% interval supports (`model.round_generated_numbers`, as
+    `causal-qwen generate` writes it: 29.21944 with an interval of ±2.85 is written 29.2); `full_precision=True`
+    writes every digit of the float, and `return_tensors=True` returns the values as generated.
     """
 
     def __init__(self, *args, **kwargs):
@@ -44,17 +48,24 @@ class CausalQwenTextGenerationPipeline(TextGenerationPipeline):
 
     def _sanitize_parameters(self, **kwargs):
         causal = {k: kwargs.pop(k) for k in ("mode", "shared_individual", "shared_noise", "generator") if k in kwargs}
+        full_precision = kwargs.pop("full_precision", None)
+        if full_precision is not None and not isinstance(full_precision, bool):
+            raise TypeError(f"full_precision must be True or False, got {full_precision!r}")
         preprocess, forward, postprocess = super()._sanitize_parameters(**kwargs)
         forward.update(causal)
+        if full_precision is not None:
+            forward["full_precision"] = postprocess["full_precision"] = full_precision
         return preprocess, forward, postprocess
 
-    def _forward(self, model_inputs, **generate_kwargs):
+    def _forward(self, model_inputs, full_precision: bool = False, **generate_kwargs):
         if not _is_causal_qwen(self.model):
             return super()._forward(model_inputs, **generate_kwargs)
         numeric_values = model_inputs.pop("numeric_values", None)
         if numeric_values is not None and model_inputs["input_ids"].shape[1] > 0:
             generate_kwargs["numeric_values"] = numeric_values
         generate_kwargs["return_dict_in_generate"] = True
+        # The intervals the written numbers are rounded to (read off the same forward passes).
+        generate_kwargs["output_value_scores"] = not full_precision
         # The stock pipeline reshapes every tensor of the generate output per prompt, numeric_values included; before
         # transformers 5.20 it nests them under "additional_outputs".
         outputs = super()._forward(model_inputs, **generate_kwargs)
@@ -64,14 +75,19 @@ class CausalQwenTextGenerationPipeline(TextGenerationPipeline):
         return outputs
 
     def postprocess(self, model_outputs, return_type=ReturnType.FULL_TEXT, clean_up_tokenization_spaces=None,
-                    continue_final_message=None, skip_special_tokens=None, **kwargs):
+                    continue_final_message=None, skip_special_tokens=None, full_precision: bool = False, **kwargs):
         if not _is_causal_qwen(self.model) or "numeric_values" not in model_outputs:
             return super().postprocess(model_outputs, return_type=return_type,
                                        clean_up_tokenization_spaces=clean_up_tokenization_spaces,
                                        continue_final_message=continue_final_message,
                                        skip_special_tokens=skip_special_tokens, **kwargs)
-        sequences = model_outputs["generated_sequence"][0].tolist()
-        values = model_outputs["numeric_values"][0].tolist()
+        sequences = model_outputs["generated_sequence"][0]
+        values = model_outputs["numeric_values"][0]
+        loc_y = model_outputs.get("loc_Y")
+        if return_type != ReturnType.TENSORS and not full_precision and loc_y is not None:
+            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            values = base.round_generated_numbers(sequences, values, loc_y[0], model_outputs["scale_Y"][0])
+        sequences, values = sequences.tolist(), values.tolist()
         input_ids = model_outputs["input_ids"]
         prompt = model_outputs["prompt_text"]
         start = 0 if input_ids is None else input_ids.shape[-1]

@@ -110,6 +110,8 @@ def plot_evaluation(model, stats: torch.Tensor, directory: str | Path) -> list[P
     ]
 
 
+# An end of the axis this many label spacings from its nearest label gets labels of its own (`_fill_ends`).
+_BARE_END = 3
 # The largest magnitude an axis is given: its scale maps the limits and inverts them again, which overflows near
 # float64's largest value.
 _AXIS_RANGE = 1e300
@@ -196,8 +198,29 @@ def _round_value_ticks(transform, low: float, high: float, max_labels: int = 12)
     if len(major) < 3:
         major = [float(v) for v in MaxNLocator(nbins=max_labels // 2, steps=[1, 2, 2.5, 5, 10]).tick_values(low, high)
                  if low <= v <= high]
+    major = _fill_ends(major, low, high, position, gap)
     minor = spread([i for i in order if candidates[i][1] not in major], gap / 8, {}, between=False)
     return major, sorted(minor)
+
+
+def _fill_ends(major: list[float], low: float, high: float, position, gap: float) -> list[float]:
+    """`major` with round values added where an end of the axis lies more than `_BARE_END` gaps from its nearest
+    label (an axis from 10.5 to 50 labelled 20, 30, 40, 50 gets 15: values there are read off a label), each at least
+    a gap from the others."""
+    import numpy as np
+    from matplotlib.ticker import MaxNLocator
+
+    if not major:
+        return major
+    kept = list(major)
+    for start, end in ((low, major[0]), (major[-1], high)):
+        if float(np.diff(position([start, end]))[0]) <= _BARE_END * gap:
+            continue
+        for value in MaxNLocator(nbins=2, steps=[1, 2, 2.5, 5, 10]).tick_values(start, end):
+            at = position([float(value)])[0]
+            if start <= value <= end and all(abs(at - other) >= gap for other in position(kept)):
+                kept.append(float(value))
+    return sorted(kept)
 
 
 def _tick_label(value: float) -> str:

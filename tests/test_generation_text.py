@@ -1,6 +1,7 @@
 """Generation with the real Qwen2.5 tokenizer: numbers through pipeline(), streamers and decode."""
 
 import io
+import math
 from contextlib import redirect_stdout
 
 import pytest
@@ -39,7 +40,7 @@ def test_pipeline_returns_generated_numbers_as_digits(numbers_model, tokenizer):
     pipe = pipeline("text-generation", model=numbers_model, tokenizer=tokenizer)
     assert isinstance(pipe, CausalQwenTextGenerationPipeline)
     prompt = "价格是99.9元, and 12 apples cost"
-    result = pipe(prompt, max_new_tokens=3)[0]["generated_text"]
+    result = pipe(prompt, max_new_tokens=3, full_precision=True)[0]["generated_text"]
 
     batch = tokenizer(prompt, return_tensors="pt")
     out = numbers_model.generate(**batch, max_new_tokens=3, return_dict_in_generate=True)
@@ -50,14 +51,40 @@ def test_pipeline_returns_generated_numbers_as_digits(numbers_model, tokenizer):
     assert result == expected
     assert "<NUM>" not in result and all(str(v)[:5] in result for v in generated)
     # The prompt's values reached the model: another price gives other generated numbers.
-    other = pipe(prompt.replace("99.9", "5000"), max_new_tokens=3)[0]["generated_text"]
+    other = pipe(prompt.replace("99.9", "5000"), max_new_tokens=3, full_precision=True)[0]["generated_text"]
     assert other.split("cost")[1] != result.split("cost")[1]
-    new_only = pipe(prompt, max_new_tokens=3, return_full_text=False)[0]["generated_text"]
+    new_only = pipe(prompt, max_new_tokens=3, return_full_text=False, full_precision=True)[0]["generated_text"]
     assert prompt + new_only == result
     # Modes and seeds pass through the pipeline.
     causal = pipe(prompt, max_new_tokens=3, mode="causal", generator=torch.Generator().manual_seed(3))
     again = pipe(prompt, max_new_tokens=3, mode="causal", generator=torch.Generator().manual_seed(3))
     assert causal == again
+
+
+def test_pipeline_writes_numbers_with_the_digits_their_interval_supports(numbers_model, tokenizer):
+    """By default each generated number keeps the digits down to the second significant digit of its 50% interval's
+    half-width (and at least its leading digit), the interval computed here from the Cauchy quantiles loc ± scale in
+    symlog space; `full_precision=True` writes every digit."""
+    pipe = pipeline("text-generation", model=numbers_model, tokenizer=tokenizer)
+    prompt = "Total: 12 and"
+    written = pipe(prompt, max_new_tokens=3, return_full_text=False)[0]["generated_text"]
+    full = pipe(prompt, max_new_tokens=3, return_full_text=False, full_precision=True)[0]["generated_text"]
+    batch = tokenizer(prompt, return_tensors="pt")
+    out = numbers_model.generate(**batch, max_new_tokens=3, return_dict_in_generate=True, output_value_scores=True)
+    start = batch["input_ids"].shape[1]
+    values = out.numeric_values[0, start:].tolist()
+    rounded = []
+    for value, loc, scale in zip(values, out.loc_Y[0].tolist(), out.scale_Y[0].tolist(), strict=True):
+        low, high = (math.copysign(math.expm1(abs(y)), y) for y in (loc - scale, loc + scale))
+        half = (max(high, value) - min(low, value)) / 2
+        place = max(1 - math.floor(math.log10(half)), -math.floor(math.log10(abs(value))))
+        rounded.append(round(value, place))
+    ids = out.sequences[0, start:]
+    assert written == tokenizer.decode(ids, numeric_values=rounded)
+    assert full == tokenizer.decode(ids, numeric_values=values)
+    assert len(written) < len(full)
+    with pytest.raises(TypeError, match="full_precision"):
+        pipe(prompt, max_new_tokens=1, full_precision="yes")
 
 
 def test_pipeline_is_unchanged_for_other_models(qwen, qwen25_dir):
@@ -164,7 +191,8 @@ def test_stop_strings_need_the_tokenizer_that_writes_numbers(numbers_model, toke
 def test_pipeline_stop_strings_stop_at_a_generated_number(numbers_model, tokenizer):
     pipe = pipeline("text-generation", model=numbers_model, tokenizer=tokenizer)
     prompt = "Total: 12 and"
-    stopped = pipe(prompt, max_new_tokens=4, return_full_text=False, stop_sequence=".")[0]["generated_text"]
+    stopped = pipe(prompt, max_new_tokens=4, return_full_text=False, stop_sequence=".",
+                   full_precision=True)[0]["generated_text"]
     batch = tokenizer(prompt, return_tensors="pt")
     full = numbers_model.generate(**batch, max_new_tokens=4, return_dict_in_generate=True)
     start = batch["input_ids"].shape[1]

@@ -71,6 +71,17 @@ def test_a_range_within_one_decade_carries_several_labels(transform):
 
 
 @pytest.mark.parametrize("transform", [_symlog_transform, _log_transform])
+def test_an_end_far_from_every_round_label_gets_one(transform):
+    """Miles per gallon from 10.5 to 50: 20, 30, 40, 50 leave two fifths of the axis below 20 without a label."""
+    major, _ = _round_value_ticks(transform(), 10.5, 50.0)
+    assert {20, 30, 40, 50} <= set(major) and min(major) < 20 and all(10.5 <= v <= 50 for v in major)
+    at = sorted(transform().transform([[v] for v in [10.5, *major]]).ravel())
+    assert max(b - a for a, b in zip(at, at[1:], strict=False)) <= 3 / 12 * (at[-1] - at[0]) * 1.5
+    negative, _ = _round_value_ticks(_symlog_transform(), -50.0, -10.5)
+    assert max(negative) > -20
+
+
+@pytest.mark.parametrize("transform", [_symlog_transform, _log_transform])
 def test_a_range_of_decades_is_labelled_one_two_five(transform):
     major, minor = _round_value_ticks(transform(), 9.0, 5100.0)
     assert major == [10, 20, 50, 100, 200, 500, 1000, 2000, 5000]
