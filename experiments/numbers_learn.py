@@ -299,12 +299,18 @@ def main() -> None:
     parser.add_argument("--new-data", nargs=2, metavar=("FIRST", "SECOND"),
                         help="instead: bar 7, a checkpoint trained on task FIRST then on SECOND against a fresh "
                              "conversion trained on SECOND (64 rows each)")
+    parser.add_argument("--text", action="store_true",
+                        help="instead: bar 8, next-token accuracy and num_f1 on the corpus's test split after training "
+                             "on its training split with the value side learning and with it held at its start")
     parser.add_argument("--large", type=int, default=512, help="training rows per task of the large run (0: none)")
     args = parser.parse_args()
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     if args.new_data:
         print(new_data(args.causal, *args.new_data, args.steps, out), flush=True)
+        return
+    if args.text:
+        print(text_side(args.causal, args.steps, out), flush=True)
         return
     every = tasks()
     results: dict = {"runs": {}}
@@ -335,6 +341,38 @@ def new_data(causal_dir: str, first: str, second: str, steps: int, out: Path) ->
     f, t = (statistics.median(r["final"][second]["errors"]) for r in (fresh, tuned))
     return "\n".join([report_run("fresh", fresh), report_run(f"trained on {first}, then", tuned),
                       f"7. new data: {t:.4f} <= fresh {f:.4f}: {'held' if t <= f else 'MISSED'}"])
+
+
+def text_side(causal_dir: str, steps: int, out: Path) -> str:
+    """Bar 8: the corpus's training split (160 texts) trained for `steps` steps with every default, against the same
+    run with the value side held at its start (`value_learning=None`, the defaults before it learnt); next-token
+    metrics (`causal_qwen.metrics.evaluate`) on its test split (48 texts)."""
+    from causal_qwen.data import make_splits
+    from causal_qwen.metrics import evaluate
+
+    splits = make_splits(160, 16, 48, 16, seed=0)
+    tokenizer = CausalQwenTokenizer.from_pretrained(causal_dir)
+    train = tokenize_examples(tokenizer, [ex.text for ex in splits["train"]])
+    test = tokenize_examples(tokenizer, [ex.text for ex in splits["test"]])
+    collate = CausalQwenDataCollator.from_tokenizer(tokenizer)
+    metrics = {}
+    for arm, learning in (("learning", "default"), ("held", None)):
+        model = CausalQwenForCausalLM.from_pretrained(causal_dir)
+        args = TrainingArguments(output_dir=str(out / "run"), max_steps=steps, per_device_train_batch_size=8,
+                                 learning_rate=1e-4, logging_steps=max(steps // 4, 1), save_strategy="no",
+                                 report_to=[], seed=0, disable_tqdm=True, use_cpu=not torch.cuda.is_available())
+        extra = {} if learning == "default" else {"value_learning": None}
+        trainer = CausalQwenTrainer(model=model, args=args, train_dataset=train, data_collator=collate, **extra)
+        trainer.train()
+        model.eval()
+        batches = (collate(test[k:k + 8]) for k in range(0, len(test), 8))
+        metrics[arm] = evaluate(model, batches, generator=torch.Generator().manual_seed(0))
+    (out / "text.json").write_text(json.dumps(metrics, indent=1, default=str))
+    lines = [f"{arm}: " + " ".join(f"{k} {metrics[arm][k]:.4f}" for k in ("accuracy", "num_f1", "reg_rel_err_median"))
+             for arm in metrics]
+    held = all(metrics["learning"][k] >= metrics["held"][k] for k in ("accuracy", "num_f1"))
+    return "\n".join([*lines, f"8. text: accuracy and num_f1 no worse than with the value side held: "
+                                f"{'held' if held else 'MISSED'}"])
 
 
 def report_run(name: str, result: dict) -> str:

@@ -36,6 +36,11 @@ __all__ = ["CausalQwenSFTTrainer"]
 _COLUMNS = ["input_ids", "attention_mask", "labels", "numeric_values", "numeric_labels", "completion_mask"]
 
 
+def _text_tokenizer(processing_class):
+    """The tokenizer of `processing_class` (a processor's `tokenizer`, or the tokenizer itself)."""
+    return getattr(processing_class, "tokenizer", processing_class)
+
+
 class CausalQwenSFTTrainer(CausalQwenTrainer, SFTTrainer):
     """`trl.SFTTrainer` that trains CausalQwen's own loss with its numbers.
 
@@ -74,7 +79,7 @@ class CausalQwenSFTTrainer(CausalQwenTrainer, SFTTrainer):
             super().__init__(model, args, *rest, learning_rate_scales=learning_rate_scales,
                              value_head_start=value_head_start, **kwargs)
         if not collator_given:
-            self.data_collator = CausalQwenDataCollator.from_tokenizer(self._tokenizer)
+            self.data_collator = CausalQwenDataCollator.from_tokenizer(_text_tokenizer(self.processing_class))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The model's own loss, as `Trainer` computes it (SFTTrainer's would call TRL's fused softmax head)."""
@@ -97,7 +102,7 @@ class CausalQwenSFTTrainer(CausalQwenTrainer, SFTTrainer):
             raise ValueError("packing is not supported by CausalQwenSFTTrainer: it would drop numeric_values")
         columns = dataset.column_names or list(next(iter(dataset)).keys())
         if "input_ids" not in columns:
-            tokenizer = self._tokenizer
+            tokenizer = _text_tokenizer(processing_class)
             completion_only = self.completion_only_loss
             map_kwargs = {"num_proc": args.dataset_num_proc} if isinstance(dataset, Dataset) else {}
 
