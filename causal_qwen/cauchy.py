@@ -16,6 +16,7 @@ import math
 import torch
 
 __all__ = [
+    "value_interval",
     "linear",
     "linear_by_blocks",
     "cdf",
@@ -269,6 +270,16 @@ def central_interval(
     tail = torch.tensor((1.0 - coverage) / 2.0, dtype=loc.dtype, device=loc.device)
     half_width = scale / torch.tan(math.pi * tail)
     return loc - half_width, loc + half_width
+
+
+def value_interval(
+    loc_y: torch.Tensor, scale_y: torch.Tensor, coverage: float, value_transform: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(median, lower, upper)` in value space, float64, of a value whose head predicts Cauchy(loc_y, scale_y) in the
+    space of `value_transform`: quantiles commute with the monotone transform, so these are exact."""
+    loc, scale = loc_y.double(), scale_y.double()
+    lower, upper = central_interval(loc, scale, coverage)
+    return tuple(untransform_values(bound, value_transform) for bound in (loc, lower, upper))
 
 
 def sample(

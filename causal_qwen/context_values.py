@@ -292,7 +292,7 @@ class CausalQwenContextValues(nn.Module):
         if short:
             read = self.read_without_numbers(queries, graph=graph)
         else:
-            visible = (entries[..., 2] > 0)[:, None, :] & (key_positions[:, None, :] <= query_positions[:, :, None])
+            visible = visible_entries(entries, key_positions, query_positions)
             read = self.read(queries, keys, entries, visible, value_transform, graph=graph)
         in_graph = read.in_graph + 0.0 * new_maps.sum() if graph else 0.0
         linear, offset = read.linear_weight, read.offset
@@ -451,6 +451,12 @@ def _read_added_as_before(path: CausalQwenContextValues, incompatible_keys) -> N
             start = path.start_tensors(torch.Generator(), linear_only=True) if start is None else start
             path.get_parameter(name).copy_(start[name])
             incompatible_keys.missing_keys.remove(key)
+
+
+def visible_entries(entries: torch.Tensor, key_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+    """Which entries `[B, L, 4]` (at positions `[B, L]`) each query (at positions `[B, T]`) reads, `[B, T, L]`: the
+    `<NUM>`s at or before it. The forward and the vLLM plugin read the path through this mask."""
+    return (entries[..., 2] > 0)[:, None, :] & (key_positions[:, None, :] <= query_positions[:, :, None])
 
 
 def entry_values(

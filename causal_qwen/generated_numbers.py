@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from transformers.generation.streamers import BaseStreamer, TextStreamer
 
-__all__ = ["GeneratedNumbers", "HoldsNumbers", "StreamerWithNumbers", "shortest_float32"]
+__all__ = ["GeneratedNumbers", "HoldsNumbers", "StreamerWithNumbers", "shortest_float32", "written_values"]
 
 _MAX_VALUE = torch.finfo(torch.float64).max
 
@@ -32,6 +32,14 @@ def shortest_float32(values: torch.Tensor) -> torch.Tensor:
     """
     rounded = [float(str(np.float32(v))) if abs(v) < 3.0e38 else v for v in values.tolist()]
     return torch.tensor(rounded, dtype=torch.float64, device=values.device)
+
+
+def written_values(values: torch.Tensor) -> torch.Tensor:
+    """The numbers a generation writes for predicted medians `values` (value space, float64, any shape): NaN kept,
+    ±inf held at float64's largest value so that generation can go on, the rest `shortest_float32`. `generate` and
+    the vLLM plugin write these."""
+    values = values.nan_to_num(nan=math.nan, posinf=_MAX_VALUE, neginf=-_MAX_VALUE)
+    return shortest_float32(values.reshape(-1)).reshape(values.shape)
 
 
 class GeneratedNumbers:
@@ -88,8 +96,7 @@ class GeneratedNumbers:
         """
         if self._pending is None and self._predicted is not None:
             loc_y, scale_y = self._predicted
-            values = self.to_value(loc_y.double()).nan_to_num(nan=math.nan, posinf=_MAX_VALUE, neginf=-_MAX_VALUE)
-            values = shortest_float32(values.reshape(-1)).reshape(values.shape)
+            values = written_values(self.to_value(loc_y.double()))
             self._pending, self._predicted = (values, loc_y.float(), scale_y.float()), None
         return self._pending
 

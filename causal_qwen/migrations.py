@@ -20,11 +20,13 @@ The changes:
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, WeightConverter
 
-__all__ = ["ADDED", "register_checkpoint_conversions", "upgrade_state_dict"]
+__all__ = ["ADDED", "register_checkpoint_conversions", "upgrade_state_dict", "upgraded_weights"]
 
 # Tensors saved 0-dim by earlier versions that are [1] vectors now: (owning module in the model, tensor name).
 _VECTORS_OF_ONE = (("action", "reg_log_noise"),)
@@ -66,3 +68,11 @@ def upgrade_state_dict(module_name: str, state_dict: dict, prefix: str) -> None:
         key = prefix + name
         if owner == module_name and key in state_dict and state_dict[key].dim() == 0:
             state_dict[key] = state_dict[key].reshape(1)
+
+
+def upgraded_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's weights by full name, as a loader streams them (vLLM's), rewritten as `upgrade_state_dict`
+    rewrites a state dict."""
+    vectors = {f"{owner}.{name}" for owner, name in _VECTORS_OF_ONE}
+    for name, tensor in weights:
+        yield name, (tensor.reshape(1) if name in vectors and tensor.dim() == 0 else tensor)

@@ -556,8 +556,7 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenLoadingMixin, K
         # MPS has no float64: such tensors are moved to the CPU for the interval.
         device = loc_y.device if loc_y.device.type != "mps" else torch.device("cpu")
         loc, scale = loc_y.to(device, torch.float64), scale_y.to(device, torch.float64)
-        lower, upper = cauchy.central_interval(loc, scale, coverage)
-        return tuple(self.to_value(b) for b in (loc, lower, upper))
+        return cauchy.value_interval(loc, scale, coverage, self.config.value_transform)
 
     @torch.no_grad()
     def round_generated_numbers(self, sequences: torch.Tensor, numeric_values: torch.Tensor, loc_y: torch.Tensor,

@@ -239,7 +239,7 @@ class RequestNumbers:
 
     def numbers(self, num_token_id: int, value_transform: str, *, every_step: bool = False) -> list[GeneratedNumber]:
         """The `<NUM>`s of the output (every position with `every_step`) with their values and 90% intervals."""
-        from ..cauchy import central_interval, untransform_values
+        from ..cauchy import value_interval
 
         found = []
         start = len(self.prompt_ids)
@@ -247,10 +247,9 @@ class RequestNumbers:
             if (token != num_token_id and not every_step) or start + index not in self.predicted:
                 continue
             value, loc, scale = self.predicted[start + index]
-            # As the library's `value_interval` computes it: the heads' float32 distribution, in float64.
+            # The library's interval of the heads' float32 distribution.
             loc_t, scale_t = (torch.tensor([x], dtype=torch.float64) for x in (loc, scale))
-            lower, upper = (float(untransform_values(bound, value_transform)[0])
-                            for bound in central_interval(loc_t, scale_t, 0.9))
+            _, lower, upper = (float(bound[0]) for bound in value_interval(loc_t, scale_t, 0.9, value_transform))
             found.append(GeneratedNumber(index, value, lower, upper))
         return found
 
@@ -550,7 +549,8 @@ class CausalQwenForVLLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The scores vLLM samples from, per request's mode; records the value predicted for each request."""
-        from ..generated_numbers import _MAX_VALUE, shortest_float32
+        from ..cauchy import untransform_values
+        from ..generated_numbers import written_values
         from ..generation_modes import DECISION_RULES
 
         loc_u, scale_u = self.abduction(hidden_states)
@@ -568,9 +568,8 @@ class CausalQwenForVLLM(nn.Module):
         if self.action.reg_head is not None and last is not None and len(last) == hidden_states.shape[0]:
             context = self._read_context(hidden_states, last) if self.abduction.context_values is not None else None
             loc_y, scale_y = self.action.regress(loc_in, scale_in, context)
-            values = untransform(loc_y.double(), self.config.value_transform)
-            values = values.nan_to_num(nan=math.nan, posinf=_MAX_VALUE, neginf=-_MAX_VALUE)
-            values = shortest_float32(values.reshape(-1)).tolist()
+            values = written_values(untransform_values(loc_y.double(), self.config.value_transform))
+            values = values.reshape(-1).tolist()
             for row, (position, value, loc, scale) in enumerate(
                 zip(last, values, loc_y.float().tolist(), scale_y.float().tolist(), strict=True)
             ):
@@ -584,7 +583,7 @@ class CausalQwenForVLLM(nn.Module):
         its request's `<NUM>` positions up to there: a `ContextRead` of one position per row, `[R]`."""
         from torch.nn.utils.rnn import pad_sequence
 
-        from ..context_values import ContextRead
+        from ..context_values import ContextRead, visible_entries
 
         path = self.abduction.context_values
         width = 3 * path.rank
@@ -597,8 +596,8 @@ class CausalQwenForVLLM(nn.Module):
         keys = pad_sequence([c.keys for c in stored], batch_first=True)
         entries = pad_sequence([c.entries for c in stored], batch_first=True)  # padding: is_num 0, never visible
         key_positions = pad_sequence([c.positions for c in stored], batch_first=True)
-        query_positions = torch.tensor(last, device=device)
-        visible = (entries[..., 2] > 0)[:, None, :] & (key_positions[:, None, :] <= query_positions[:, None, None])
+        query_positions = torch.tensor(last, device=device)[:, None]  # one query per row
+        visible = visible_entries(entries, key_positions, query_positions)
         read = path.read(hidden_states[:, None], keys, entries, visible, self.config.value_transform)
         return ContextRead(read.linear_weight[:, 0], read.offset[:, 0], read.width[:, 0])
 
@@ -612,8 +611,10 @@ class CausalQwenForVLLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         from vllm.model_executor.models.utils import AutoWeightsLoader
 
+        from ..migrations import upgraded_weights
+
         loader = AutoWeightsLoader(self, ignore_unexpected_prefixes=["abduction_anchor."])
-        return loader.load_weights(_vector_log_noise(weights))
+        return loader.load_weights(upgraded_weights(weights))
 
 
 def _head_method():
@@ -621,14 +622,3 @@ def _head_method():
 
     return UnquantizedEmbeddingMethod()
 
-
-def untransform(y: torch.Tensor, transform: str) -> torch.Tensor:
-    from ..cauchy import untransform_values
-
-    return untransform_values(y, transform)
-
-
-def _vector_log_noise(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-    """Checkpoints written while `action.reg_log_noise` was 0-dim hold it as a scalar; the module's is `[1]`."""
-    for name, tensor in weights:
-        yield name, (tensor.reshape(1) if name == "action.reg_log_noise" and tensor.dim() == 0 else tensor)
