@@ -61,7 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # Each subcommand's --help shows the defaults (add_parser does not pass the formatter on).
     commands.add_parser = functools.partial(commands.add_parser, formatter_class=_DefaultsHelpFormatter)
+    for add in (_add_convert, _add_generate, _add_train, _add_value, _add_eval):
+        add(commands)
+    return parser
 
+
+def _add_convert(commands) -> None:
     convert = commands.add_parser("convert", help="Qwen2 checkpoint -> CausalQwen checkpoint with its tokenizer",
                                   description="Build a CausalQwen from a Qwen2 checkpoint (initialised as in "
                                               "docs/design.md §3: it starts as exactly its Qwen) and save it with "
@@ -80,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="seed of the weights the conversion draws (w_num, w_reg); the same seed gives the same "
                               "model, and it is recorded as conversion_seed in config.json")
 
+
+def _add_generate(commands) -> None:
     generate = commands.add_parser("generate", help="generate text, numbers written as digits",
                                    description="Generate a continuation of PROMPT in any mode.")
     generate.add_argument("model", help="CausalQwen folder")
@@ -102,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                                "rarely writes one: it says so)")
     generate.add_argument("--full-precision", action="store_true", help=_FULL_PRECISION_HELP)
 
+
+def _add_train(commands) -> None:
     train = commands.add_parser("train", help="fine-tune the causal heads (backbone frozen) with Trainer",
                                 description="Train with transformers' Trainer on the built-in numeric corpus or "
                                             "on your texts (.jsonl/.csv with a text column, or .txt).")
@@ -140,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="value rows the start reads (and the read-out trains on), a sample of the "
                             "training data when it holds more")
 
+
+def _add_value(commands) -> None:
     value = commands.add_parser("value", help="the value each prompt asks for next, with its intervals",
                                 description="Print the median and the 50% and 90% intervals of the number each "
                                             "PROMPT asks for next (model.next_value).")
@@ -147,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     value.add_argument("prompt", nargs="+", help="one or more prompts, each ending where its number would start")
     value.add_argument("--full-precision", action="store_true", help=_FULL_PRECISION_HELP)
 
+
+def _add_eval(commands) -> None:
     evaluate = commands.add_parser("eval", help="metrics table and plots",
                                    description="Evaluate every metric (docs/design.md §6) and write PNG plots.")
     evaluate.add_argument("model", help="CausalQwen folder")
@@ -157,7 +170,6 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--json", help="also write the metrics to this JSON file")
     evaluate.add_argument("--seed", type=int, default=0,
                           help="seed of the built-in corpus and of the metrics' random draws")
-    return parser
 
 
 def _add_data_arguments(parser: argparse.ArgumentParser, default_split: str, default_n: int) -> None:

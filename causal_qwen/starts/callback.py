@@ -19,14 +19,9 @@ from ..cauchy import nll as cauchy_nll
 from ..cauchy import transform_values
 from ..labels import next_token_targets
 from .learning import ValueLearner, ValueLearning
+from .new_data import start_on_new_data
 from .path import held_out_rows
-from .readout import (
-    NotEnoughNumbersError,
-    read_value_rows,
-    refit_value_readout,
-    start_on_new_data,
-    start_value_side,
-)
+from .readout import NotEnoughNumbersError, read_value_rows, refit_value_readout, start_value_side
 
 __all__ = ["DEFAULT_VALUE_LEARNING", "ValueHeadStartCallback", "parameter_path", "readout_parameters",
            "value_side_parameters"]
@@ -95,38 +90,28 @@ def value_side_parameters(model: nn.Module, features: bool = True) -> list[nn.Pa
 
 
 class ValueHeadStartCallback(TrainerCallback):
-    """Fit the value head on the training data when training begins (`fit_value_head`), once per model, and keep
-    the read-out fitted to loc_U as training moves it (`refit_readout`, the default).
+    """The value side through training (docs/training.md, "The value side learns"): the start from the training data
+    when training begins, the read-out's learning from it, the refits and the end-of-training check.
 
-    The start does nothing when the model has no value head or when a run resumes from a checkpoint (global step >
-    0): the checkpoint's weights hold the fit. A model fitted already (`config.value_head_fit`, saved with the
-    checkpoint) and trained from step 0, as on new data, keeps its value side or gets one fitted afresh on this data,
-    whichever reads it better on held-out folds (`start_on_new_data`). The rows come from the training set read in
-    order (the evaluation loader of `trainer.train_dataset`, so it does not consume the random state that shuffles
-    training). Under several processes each reads its own shard and the fit of process 0 is broadcast, so every
-    replica starts from the same head. Data with fewer than 3 `<NUM>`
-    targets (text-only data has none) cannot be fitted: the start and the refits are then skipped, with one warning.
-
-    With `refit_readout` the read-out (`w_reg`, `b_reg`, γ_Y, the context-value path) is held out of the optimizer
-    (`requires_grad` False from this callback's construction to the end of training, so build it before
-    `trainer.train()`): a least-squares read-out does not survive Adam's per-coordinate steps (docs/training.md,
-    "Training keeps the start"). So, unless `train_features`, are the features it reads (the numeric embedding, the
-    abduction network): on Qwen2.5-0.5B twelve steps of them lost up to a quarter of the start on the corpus and
-    gained at most 0.004 of error elsewhere (docs/experiments.md). The `<NUM>` decision and the rest of the
-    classification head train. Where something the value reads trains (`train_features`, an unfrozen backbone, LoRA
-    adapters), the value side is fitted again to the current loc_U ([`refit_value_readout`]) before every evaluation
-    and checkpoint save and at the end of training, so evaluation metrics, saved checkpoints and the trained model
-    never hold a stale read-out; where nothing it reads trains, it stays the start's and is not fitted again.
-    Resuming from a checkpoint keeps this. Under FSDP and DeepSpeed, which split or copy the parameters, the
-    read-out and the features train as the other heads do (no refit). At the end of a run that started at step 0,
-    trained features that score worse on the refit's held-out rows than the start's are restored
-    (`kept_trained_features` False).
-
-    Under FSDP or DeepSpeed the engine splits or copies the parameters when training starts, before
-    `on_train_begin`; `CausalQwenTrainer.train` then calls `fit_unwrapped` on the bare model first.
+    - **The start**, at step 0: a model not fitted yet gets `start_value_side` (the read-out, the path and the `<NUM>`
+      decision); one fitted before (`config.value_head_fit`, a checkpoint on new data) keeps its value side or gets
+      one fitted afresh, whichever reads the data better on held-out folds (`start_on_new_data`). A resumed run
+      (global step > 0) keeps its checkpoint's. The rows are the training set read in an order of their content (the
+      evaluation loader, so the random state that shuffles training is untouched); under several processes process
+      0's fit is broadcast. Data with fewer than 3 `<NUM>` targets skips the start and the refits, with a warning.
+    - **Held out of the optimizer** (`refit_readout`, from this callback's construction, so build it before
+      `trainer.train()`): the read-out (`w_reg`, `b_reg`, γ_Y, the path), whose least-squares fit Adam's steps undo,
+      and unless `train_features` the features it reads (the numeric embedding, the abduction network).
+    - **Learning**: where nothing the value reads trains, the read-out trains by its own whitened steps on the
+      start's rows, the state the held-out folds prefer kept (`ValueLearner`, settings `learning`); where the
+      features move (`train_features`, LoRA, an unfrozen backbone), the value side is fitted again to them before
+      every evaluation and save and at the end ([`refit_value_readout`]), and trained features that score worse
+      than the start's at the end are restored (`kept_trained_features` False). Under FSDP and DeepSpeed the
+      read-out trains as the other heads do, and `CausalQwenTrainer.train` calls `fit_unwrapped` on the bare model
+      before the engine wraps it.
 
         trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collator)
-        trainer.add_callback(ValueHeadStartCallback(trainer))     # plain Trainer: the start and the refits
+        trainer.add_callback(ValueHeadStartCallback(trainer))     # plain Trainer: the start, learning and refits
         trainer.train()
     """
 
@@ -162,8 +147,7 @@ class ValueHeadStartCallback(TrainerCallback):
         self.hold_value_side()
 
     def hold_value_side(self) -> None:
-        """Take the read-out, and unless `train_features` the features it reads, out of training (`requires_grad`
-        False) until `on_train_end` gives them back."""
+        """Hold the read-out, and unless `train_features` its features, out of training until `on_train_end`."""
         if not self.refit_readout or not _has_value_head(self.trainer.model):
             return
         for param in value_side_parameters(self.trainer.model, features=not self.train_features):
@@ -194,10 +178,7 @@ class ValueHeadStartCallback(TrainerCallback):
     def on_train_end(self, args, state, control, model=None, **kwargs):
         model = self.trainer.model if model is None else model
         if self.learner is not None and self.trainer.is_world_process_zero():
-            record = self.learner.record
-            logger.warning(f"value side: held-out median absolute error (head space) {record.start_error:.4g} at the "
-                           f"start, {record.best_error:.4g} after training (best at learner step {record.best_step} "
-                           f"of {self.learner.steps})")
+            logger.warning(f"value side: {self.learner.record.summary(self.learner.steps)}")
         if self._refitted_step != state.global_step or args.load_best_model_at_end:
             self._refit(model, state.global_step)
         self._restore_start_features_if_worse(model, state.global_step)
@@ -207,13 +188,7 @@ class ValueHeadStartCallback(TrainerCallback):
 
     def fit_unwrapped(self, model, resuming: bool) -> None:
         """The fit of `on_train_begin`, on the model before a sharding engine wraps it."""
-        head = getattr(getattr(model, "action", None), "reg_head", None)
-        if head is not None and hasattr(head.weight, "ds_id"):
-            raise RuntimeError(
-                "The model is partitioned by DeepSpeed ZeRO-3 (built after TrainingArguments), so the value head "
-                "cannot be fitted before training: fit it first (fit_value_head on a model built before "
-                "TrainingArguments, then save_pretrained), or pass value_head_start=False"
-            )
+        _check_not_partitioned(model)
         self._fit(model, resuming)
 
     def _train_rows(self):
@@ -223,9 +198,8 @@ class ValueHeadStartCallback(TrainerCallback):
         return loader
 
     def _start_learning(self, model) -> None:
-        """The read-out's learner, on the start's rows or, for a model fitted before (a checkpoint on new data, a
-        resumed run), on rows read now; none where the features move, under several processes or a sharding engine
-        (each would learn from its own shard), or without `learning`."""
+        """The read-out's learner, on the start's rows (a resumed run's read now); none where the features move, under
+        several processes or a sharding engine (each would learn from its shard), or without `learning`."""
         if (self.learning is None or self._features_train or not self.refit_readout or not _has_value_head(model)
                 or self.trainer.args.world_size > 1):
             self._start = None
@@ -270,17 +244,16 @@ class ValueHeadStartCallback(TrainerCallback):
     def _start_fitted(self, model) -> None:
         """A model fitted before (a checkpoint) at step 0: its value side, or one fitted afresh on this data where
         that reads it better (`start_on_new_data`). Data without numbers leaves it as it is."""
+        rows, start = self._train_rows(), None
         try:
-            start = start_on_new_data(model, self._train_rows(), learning=self.learning,
-                                      max_positions=self.max_positions)
+            start = start_on_new_data(model, rows, learning=self.learning, max_positions=self.max_positions)
         except NotEnoughNumbersError:
-            start = None
+            pass  # text only: the value side stays as it is
         _broadcast_value_head(model)
         self._start = start
         if start is not None and self.trainer.is_world_process_zero():
-            logger.warning("value side: " + ("fitted afresh on this data, which the checkpoint's value side read worse"
-                                             if start.fitted_on_rows else "the checkpoint's, which reads this data "
-                                             "better than one fitted afresh on it"))
+            kept = "fitted afresh on this data" if start.fitted_on_rows else "the checkpoint's, read better"
+            logger.warning(f"value side: {kept} (start_on_new_data)")
 
     def _refit(self, model, step: int) -> None:
         if (not self.refit_readout or not self._features_train or not _has_value_head(model)
@@ -304,14 +277,12 @@ class ValueHeadStartCallback(TrainerCallback):
         # Held features are the start's at the end: nothing to compare.
         if not self.refit_readout or not _has_value_head(model) or not features:
             return
-        fit = self.fit
-        if fit is None:  # fitted before training (config.value_head_fit): the start's score is a refit's
+        if self.fit is None:  # fitted before training (config.value_head_fit): the start's score is a refit's
             self._refit(model, 0)
-            fit = self.refits[-1][1] if self.refits else None
+        fit = self.fit if self.fit is not None else (self.refits[-1][1] if self.refits else None)
         if fit is None:
             return
-        # Rows the features never train on, where the trainer has them: its evaluation data. Without it the score is
-        # the start's on held-out rows of the training data, which the features then train on.
+        # Scored on rows the features never train on where the trainer has them (its evaluation data).
         evaluated = _eval_value_nll(self.trainer, model)
         score, rows = evaluated if evaluated is not None else _held_out_score(fit)
         if rows < _MIN_CHECK_ROWS:
@@ -319,28 +290,19 @@ class ValueHeadStartCallback(TrainerCallback):
                 logger.warning(f"train_value_features: {rows} held-out values are too few to check the trained "
                                f"features against the start's (at least {_MIN_CHECK_ROWS}); they are kept as trained.")
             return
-        self._start_score = score
-        self._start_fit = fit
+        self._start_score, self._start_fit = score, fit
         self._start_features = {name: param.detach().to("cpu", copy=True)
                                 for name, param in features + _start_value_side(model)}
         if evaluated is None and self.trainer.is_world_process_zero():
-            logger.warning("train_value_features: without an eval_dataset, the end-of-training check of the trained "
-                           "features scores them on held-out rows of the training data, which they trained on, and "
-                           "favours them; pass an eval_dataset to score them on rows they never saw.")
+            logger.warning("train_value_features: without an eval_dataset the trained features are checked on held-out "
+                           "rows of the training data, which they train on; pass one to check them on rows never seen.")
 
     def _restore_start_features_if_worse(self, model, step: int) -> None:
-        """Training moves the features of the value side (the numeric embedding, the abduction network) by what the
-        whole loss asks of them, and on Qwen2.5-0.5B 12 steps left them predicting the corpus's values worse than at
-        the start even with the read-out fitted again (docs/experiments.md). Where the final refit scores worse on
-        the held-out rows than the start did, the start's features come back with the start's whole value side
-        (the read-out and the path as the start left them), so the model predicts the start's medians; where it
-        scores no worse, training keeps what it learnt.
-
-        With evaluation data the value side is then fitted again to the restored features (whose widths then see
-        b_noise as the class decisions trained it), and that refit is kept only where it scores no worse there than
-        the start's value side: a refit fits the path again, and on a tiny model one that scored better on the
-        training data's held-out rows predicted the evaluation data worse than the start (value NLL 1.227 against
-        1.195)."""
+        """Where the final refit of trained features scores worse on the held-out rows than the start did, the start's
+        features come back with its whole value side (read-out and path), so the model predicts the start's medians;
+        training moves the features by what the whole loss asks of them (docs/experiments.md). With evaluation data
+        the value side is then fitted again to them, and that refit is kept only where it scores no worse there than
+        the start's (a refit fits the path again, which can read new rows worse)."""
         if self._start_features is None or not self.refits or self.refits[-1][0] != step:
             return
         evaluated = _eval_value_nll(self.trainer, model)
@@ -377,6 +339,16 @@ class ValueHeadStartCallback(TrainerCallback):
         self.refit_readout = False
         if self.trainer.is_world_process_zero():
             logger.warning(message)
+
+
+def _check_not_partitioned(model) -> None:
+    head = getattr(getattr(model, "action", None), "reg_head", None)
+    if head is not None and hasattr(head.weight, "ds_id"):
+        raise RuntimeError(
+            "The model is partitioned by DeepSpeed ZeRO-3 (built after TrainingArguments), so the value head "
+            "cannot be fitted before training: fit it first (fit_value_head on a model built before "
+            "TrainingArguments, then save_pretrained), or pass value_head_start=False"
+        )
 
 
 def _start_order(dataset, args):

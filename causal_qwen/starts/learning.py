@@ -158,6 +158,11 @@ class LearningRecord:
     best_step: int = 0
     curve: list[tuple[int, float]] = field(default_factory=list)
 
+    def summary(self, steps: int) -> str:
+        """One line of what `steps` steps did, for the end of training."""
+        return (f"held-out median absolute error (head space) {self.start_error:.4g} at the start, "
+                f"{self.best_error:.4g} after training (best at learner step {self.best_step} of {steps})")
+
 
 class _WhitenedReadout:
     """`w_reg`, `b_reg` in the whitened coordinates of the rows `fitted` (module docstring), trained by Adam on the
