@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_arguments(parser, args)
     _check_paths(parser, args)
+    _check_overrides(parser, args)
     _check_eval_data(parser, args)
     run = {"convert": run_convert, "generate": run_generate, "value": run_value, "train": run_train,
            "eval": run_eval}[args.command]
@@ -232,8 +233,11 @@ def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     if args.command == "convert":
         if _looks_local(args.source) and not Path(args.source).expanduser().is_dir():
             parser.error(f"argument source: no such folder: {args.source}")
+        if _looks_local(args.source):  # a "~/..." the shell left as it is loads as the folder it names
+            args.source = str(Path(args.source).expanduser())
     else:
         _check_model_folder(parser, args.model)
+        args.model = str(Path(args.model).expanduser())
     data = getattr(args, "data", "corpus")
     if data != "corpus" and not Path(data).expanduser().is_file():
         parser.error(f"argument --data: no such file: {data}")
@@ -265,6 +269,21 @@ def _has_predicted_number(example: str | dict) -> bool:
 
     prompt, text = ("", example) if isinstance(example, str) else (example["prompt"], example["completion"])
     return any(span.start > 0 or prompt for span in find_numbers(text))
+
+
+def _check_overrides(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`convert --set` fields named and valued as the config takes them, before Qwen loads (the config's own checks:
+    a misspelt field, a value of the wrong type)."""
+    if args.command != "convert" or not args.overrides:
+        return
+    from .configuration import CausalQwenConfig
+
+    overrides = parse_overrides(args.overrides)
+    try:
+        CausalQwenConfig.check_field_names(overrides, where="convert")
+        CausalQwenConfig(**overrides)
+    except (TypeError, ValueError) as error:
+        parser.error(f"argument --set: {error}")
 
 
 def _looks_local(name: str) -> bool:

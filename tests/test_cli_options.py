@@ -138,6 +138,45 @@ def test_bad_options_stop_while_parsing(tmp_path, capsys, argv, option):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(("setting", "said"), [
+    ("ovr_treshold=20", "'ovr_treshold' (did you mean 'ovr_threshold'?)"),
+    ("ovr_threshold=abc", "ovr_threshold must be a number, got str"),
+])
+def test_a_bad_config_field_stops_convert_before_qwen_loads(tmp_path, capsys, monkeypatch, setting, said):
+    import transformers
+
+    def load(*args, **kwargs):
+        raise AssertionError("Qwen was loaded before --set was checked")
+
+    monkeypatch.setattr(transformers.Qwen2ForCausalLM, "from_pretrained", load)
+    source = tmp_path / "qwen"
+    source.mkdir()
+    with pytest.raises(SystemExit) as stop:
+        main(["convert", str(source), str(tmp_path / "out"), "--set", setting])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("causal-qwen: error: argument --set: ") and said in err[-1]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_under_a_literal_tilde_loads_as_that_folder(tmp_path, monkeypatch):
+    """`"~/qwen"` (quoted, so the shell leaves it) is the folder under the home directory, not a hub id."""
+    import transformers
+
+    seen = []
+
+    def load(path, *args, **kwargs):
+        seen.append(path)
+        raise KeyboardInterrupt  # stop here: the path is what this test reads
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(transformers.Qwen2ForCausalLM, "from_pretrained", load)
+    (tmp_path / "qwen").mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        main(["convert", "~/qwen", str(tmp_path / "out")])
+    assert seen == [str(tmp_path / "qwen")]
+
+
 @pytest.mark.parametrize("argv", [
     ["generate", "M", "p"],
     ["generate", "M", "p", "--shared-noise"],
