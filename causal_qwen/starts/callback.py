@@ -252,8 +252,8 @@ class ValueHeadStartCallback(TrainerCallback):
         _broadcast_value_head(model)
         self._start = start
         if start is not None and self.trainer.is_world_process_zero():
-            kept = "fitted afresh on this data" if start.fitted_on_rows else "the checkpoint's, read better"
-            logger.warning(f"value side: {kept} (start_on_new_data)")
+            kept = "fitted afresh, which reads" if start.fitted_on_rows else "the checkpoint's, which reads"
+            logger.warning(f"value side: {kept} this data better than the other on held-out folds (start_on_new_data)")
 
     def _refit(self, model, step: int) -> None:
         if (not self.refit_readout or not self._features_train or not _has_value_head(model)

@@ -61,8 +61,7 @@ def start_on_new_data(model, batches: Iterable[Mapping[str, torch.Tensor]], *, l
 
     A checkpoint's path chose its candidates on its own table: one that copies a stated number where that table's
     answer was one reads another table's prices as a stated measurement, and steps of the read-out cannot undo the
-    path's choice (a checkpoint trained on diamond prices, fine-tuned on humidity readings, read them at 0.31 where a
-    fresh conversion trained on them read 0.07; docs/experiments.md). The fresh path is scored on rows its fit saw
+    path's choice (docs/experiments.md, "A checkpoint on another table"). The fresh path is scored on rows its fit saw
     (four fifths of them), so on rows like its own table's the checkpoint's is kept only where it reads them better by
     more than that favour. Where the fresh fit is kept, `config.value_head_fit` records it (the `<NUM>` decision's
     fields stay the checkpoint's). Leaves the global random state as it was."""
