@@ -130,8 +130,8 @@ class ValueHeadStartCallback(TrainerCallback):
         # The read-out's training from its start on the rows the start read (starts/learning.py), where nothing
         # the value reads trains; None: not (yet) learning.
         self.learner: ValueLearner | None = None
-        self._start = None  # the start's rows, from the fit to the learner
-        self.fit = None
+        self._start, self.fit = None, None  # the start's rows (from the fit to the learner), and its record
+        self._started = False  # once per run: `fit_unwrapped` starts a model before a sharding engine wraps it
         sharded = bool(getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False))
         self.refit_readout = refit_readout and not sharded
         self.train_features = train_features
@@ -219,10 +219,10 @@ class ValueHeadStartCallback(TrainerCallback):
                            f"rows they did not see {self.learner.record.start_error:.4g} at the start")
 
     def _fit(self, model, resuming: bool) -> None:
-        config = getattr(model, "config", None)
-        if not _has_value_head(model) or resuming:
+        if not _has_value_head(model) or resuming or self._started:
             return
-        if config.value_head_fit is not None:
+        self._started = True
+        if model.config.value_head_fit is not None:
             self._start_fitted(model)
             return
         try:
