@@ -1,9 +1,12 @@
-"""How long `causal-qwen --help` takes, against starting Python and importing torch, in the same run.
+"""How long `causal-qwen --help` and its one-line mistakes take, against starting Python and importing torch, in the
+same run.
 
-Each command runs in a fresh subprocess (`--repeats` times; the script prints the median and the fastest) with
-this checkout first on `PYTHONPATH`. The command is run as pip installs it: a console script named `causal-qwen`
-(written to a temporary folder) that imports `causal_qwen.cli` and calls `main()`. `import causal_qwen` is shown
-too: a user's import registers the classes with transformers, which needs torch and transformers.
+Each command runs in a fresh subprocess (`--repeats` times; the script prints the median and the fastest) with this
+checkout first on `PYTHONPATH`. The mistakes (a misspelt `convert --set` field, a missing folder, a Qwen folder never
+converted, a data file without numbers for `eval`) each exit with status 2 before any model loads. The command is run
+as pip installs it: a console script named `causal-qwen` (written to a temporary folder) that imports
+`causal_qwen.cli` and calls `main()`. `import causal_qwen` is shown too: a user's import registers the classes with
+transformers, which needs torch and transformers.
 
 Usage:
     python benchmarks/bench_cli_startup.py [--repeats 5]
@@ -33,7 +36,9 @@ if __name__ == '__main__':
 
 def seconds(argv: list[str], env: dict[str, str]) -> float:
     start = time.perf_counter()
-    subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    result = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if result.returncode not in (0, 2):  # 2: argparse's error, the one-line stop the mistakes are timed to
+        raise RuntimeError(f"{argv} exited with status {result.returncode}")
     return time.perf_counter() - start
 
 
@@ -45,12 +50,26 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         script = Path(folder) / "causal-qwen"
         script.write_text(CONSOLE_SCRIPT)
+        qwen = Path(folder) / "qwen"
+        qwen.mkdir()
+        (qwen / "config.json").write_text('{"model_type": "qwen2"}')
+        causal = Path(folder) / "cq"
+        causal.mkdir()
+        (causal / "config.json").write_text('{"model_type": "causal_qwen"}')
+        words = Path(folder) / "words.txt"
+        words.write_text("no number here\n")
+        cli = [sys.executable, str(script)]
         commands = {
             "python -c pass": [sys.executable, "-c", "pass"],
             "python -c 'import torch'": [sys.executable, "-c", "import torch"],
             "python -c 'import causal_qwen'": [sys.executable, "-c", "import causal_qwen"],
             "causal-qwen --help": [sys.executable, str(script), "--help"],
             "causal-qwen generate --help": [sys.executable, str(script), "generate", "--help"],
+            "convert --set ovr_treshold=20": [*cli, "convert", str(qwen), str(Path(folder) / "out"), "--set",
+                                              "ovr_treshold=20"],
+            "eval ./no-such-folder": [*cli, "eval", str(Path(folder) / "no-such-folder")],
+            "eval QWEN_FOLDER": [*cli, "eval", str(qwen)],
+            "eval --data WORDS": [*cli, "eval", str(causal), "--data", str(words)],
         }
         width = max(map(len, commands))
         print(f"{'command':<{width}}  median    fastest   ({args.repeats} runs each, {os.cpu_count()} CPUs)")

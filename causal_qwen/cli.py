@@ -272,18 +272,35 @@ def _has_predicted_number(example: str | dict) -> bool:
 
 
 def _check_overrides(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """`convert --set` fields named and valued as the config takes them, before Qwen loads (the config's own checks:
-    a misspelt field, a value of the wrong type)."""
+    """`convert --set` fields named and valued as the config takes them (the config's own checks: a misspelt field, a
+    value of the wrong type), before torch and Qwen load. A field of the backbone is checked by the config itself."""
     if args.command != "convert" or not args.overrides:
         return
-    from .configuration import CausalQwenConfig
+    from . import config_fields
 
     overrides = parse_overrides(args.overrides)
+    known = config_fields.QWEN2_FIELDS | config_fields.CHECKED_FIELDS | set(config_fields.INIT_KEYWORDS)
     try:
-        CausalQwenConfig.check_field_names(overrides, where="convert")
-        CausalQwenConfig(**overrides)
+        config_fields.check_names(overrides, known, where="convert")
+        for name, value in overrides.items():
+            config_fields.check_field(name, value)
+        config_fields.check_relations(overrides)
+        if not set(overrides) <= config_fields.CHECKED_FIELDS:
+            _check_backbone_fields(overrides)
     except (TypeError, ValueError) as error:
         parser.error(f"argument --set: {error}")
+
+
+def _check_backbone_fields(overrides: dict) -> None:
+    """The config's own checks, for `--set` fields of the Qwen2 backbone (`@strict`'s error as a ValueError)."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    from .configuration import CausalQwenConfig
+
+    try:
+        CausalQwenConfig(**overrides)
+    except StrictDataclassError as error:
+        raise ValueError(" ".join(str(error).split())) from None
 
 
 def _looks_local(name: str) -> bool:

@@ -3,30 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
 
 from huggingface_hub.dataclasses import strict
 from transformers import Qwen2Config
 
-VALUE_TRANSFORMS = ("identity", "symlog")
+from .config_fields import CHECKED_FIELDS, INIT_KEYWORDS, check_field, check_names, check_relations
+
 # γ_Y's start in symlog units (an interval of about ×e around the median) until `fit_value_head` measures it.
 DEFAULT_REGRESSION_NOISE = 1.0
-_FLOAT_FIELDS = (
-    "abduction_scale_init", "noise_init", "ovr_threshold", "gate_alpha", "reg_loss_weight", "scale_min",
-    "abduction_anchor_weight", "regression_noise",
-)
-_BOOL_FIELDS = ("use_numeric", "freeze_backbone", "learnable_threshold", "detach_gate", "tie_word_embeddings",
-                "context_values")
-# Integer fields that may be None, with their smallest allowed value.
-_INT_FIELDS = {"num_token_id": 0, "causal_size": 1, "conversion_seed": 0, "context_values_rank": 1}
-# Keywords that `PretrainedConfig` takes without a field of that name (it pops or converts them).
-_INIT_KEYWORDS = ("attn_implementation", "experts_implementation", "output_attentions", "num_labels", "torch_dtype",
-                  "rope_theta", "rope_scaling", "name_or_path")
-# The logs the context-value path's log-space combination can sum (`context_values_log`; docs/math.md).
-CONTEXT_VALUES_LOGS = ("symlog", "log")
-_CHECKED_FIELDS = frozenset((*_FLOAT_FIELDS, *_BOOL_FIELDS, *_INT_FIELDS, "value_transform", "value_head_fit",
-                             "context_values_log"))
 
 
 @strict
@@ -158,43 +142,19 @@ class CausalQwenConfig(Qwen2Config):
         # once the config is built, in `__post_init__` and when the model is built, so that `update` may change
         # both fields in any order. The annotations above are strings (`from __future__ import annotations`),
         # which `@strict` does not check: these checks raise a plain TypeError/ValueError that names the field.
-        if name in _CHECKED_FIELDS:
+        if name in CHECKED_FIELDS:
             self.check_field(name, value)
         super().__setattr__(name, value)
 
     def check_field(self, name: str, value) -> None:
         """Raise a TypeError or ValueError naming `name` if `value` is not one the field takes (on its own)."""
-        if name in _BOOL_FIELDS:
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
-        elif name in _INT_FIELDS:
-            if value is None:
-                return
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int or None, got {type(value).__name__} {value!r}")
-            if value < _INT_FIELDS[name]:
-                raise ValueError(f"{name} must be at least {_INT_FIELDS[name]}, got {value}")
-            vocab_size = self.__dict__.get("vocab_size")
-            if name == "num_token_id" and isinstance(vocab_size, int) and value >= vocab_size:
-                raise ValueError(f"num_token_id must lie inside the vocabulary [0, {vocab_size}), got {value}")
-        elif name in _FLOAT_FIELDS:
-            if value is None and name == "regression_noise" and name not in self.__dict__:
-                # Only as the field's first value, set by the dataclass __init__: __post_init__ resolves it from
-                # use_numeric. Every later None (by hand, `update`) is refused.
-                return
-            _check_float(name, value)
-        elif name == "value_transform":
-            if value not in VALUE_TRANSFORMS:
-                raise ValueError(f"value_transform must be one of {VALUE_TRANSFORMS}, got {value!r}")
-        elif name == "context_values_log":
-            if value not in CONTEXT_VALUES_LOGS:
-                raise ValueError(f"context_values_log must be one of {CONTEXT_VALUES_LOGS}, got {value!r}")
-        elif name == "value_head_fit" and value is not None and not isinstance(value, dict):
-            raise TypeError(f"value_head_fit must be a dict or None, got {type(value).__name__}")
+        # Only as the field's first value, set by the dataclass __init__, is regression_noise=None taken:
+        # __post_init__ resolves it from use_numeric. Every later None (by hand, `update`) is refused.
+        check_field(name, value, vocab_size=self.__dict__.get("vocab_size"), first_value=name not in self.__dict__)
 
     def _check_causal_fields(self) -> None:
         """Check every causal field and the relations between fields; a plain ValueError/TypeError names the field."""
-        for name in sorted(_CHECKED_FIELDS):
+        for name in sorted(CHECKED_FIELDS):
             self.check_field(name, getattr(self, name))
         if self.regression_noise is None:
             raise TypeError("regression_noise must be a number, got NoneType")
@@ -207,11 +167,7 @@ class CausalQwenConfig(Qwen2Config):
             raise ValueError(
                 f"num_token_id must lie inside the vocabulary [0, {self.vocab_size}), got {self.num_token_id}"
             )
-        if self.regression_noise > 0 and not self.use_numeric:
-            raise ValueError("regression_noise needs the regression head: use_numeric=False has none")
-        if self.context_values and not self.use_numeric:
-            raise ValueError("context_values needs the numeric embedding and the regression head: use_numeric=False "
-                             "has neither")
+        check_relations({name: getattr(self, name) for name in ("use_numeric", "regression_noise", "context_values")})
         if self.context_values_rank is None:
             raise TypeError("context_values_rank must be an int, got NoneType")
 
@@ -226,31 +182,8 @@ class CausalQwenConfig(Qwen2Config):
         `PretrainedConfig` keeps unknown keywords as plain attributes, so a misspelt field (`ovr_treshold=3.0`)
         would otherwise be ignored without a word; callers that take config fields as `**kwargs` check them here.
         """
-        known = {field.name for field in dataclasses.fields(cls)} | set(cls.attribute_map) | set(_INIT_KEYWORDS)
-        unknown = [name for name in names if name not in known]
-        if unknown:
-            hints = []
-            for name in unknown:
-                close = difflib.get_close_matches(name, sorted(known), n=1)
-                hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise TypeError(f"{where} got unexpected keyword argument(s) {', '.join(hints)}: not fields of "
-                            f"{cls.__name__}")
-
-
-def _check_float(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if name in ("abduction_scale_init", "scale_min"):
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a finite positive number, got {value}")
-    elif name in ("noise_init", "reg_loss_weight", "abduction_anchor_weight", "regression_noise"):
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"{name} must be a finite non-negative number, got {value}")
-    elif name == "ovr_threshold":
-        if not math.isfinite(value):
-            raise ValueError(f"ovr_threshold must be finite, got {value}")
-    elif name == "gate_alpha" and not 0.0 <= value <= 1.0:
-        raise ValueError(f"gate_alpha must lie in [0, 1], got {value}")
+        known = {field.name for field in dataclasses.fields(cls)} | set(cls.attribute_map) | set(INIT_KEYWORDS)
+        check_names(names, known, where, owner=cls.__name__)
 
 
 __all__ = ["CausalQwenConfig"]

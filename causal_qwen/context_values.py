@@ -56,7 +56,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
 from .cauchy import symexp, symlog, transform_values
-from .configuration import CONTEXT_VALUES_LOGS
+from .config_fields import CONTEXT_VALUES_LOGS
 from .distributed import sharded_training
 from .migrations import ADDED
 from .outputs import keep_positions

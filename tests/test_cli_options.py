@@ -159,6 +159,35 @@ def test_a_bad_config_field_stops_convert_before_qwen_loads(tmp_path, capsys, mo
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(("settings", "said"), [
+    (["ovr_treshold=20"], "'ovr_treshold' (did you mean 'ovr_threshold'?)"),
+    (["ovr_threshold=abc"], "ovr_threshold must be a number, got str"),
+    (["use_numeric=False", "context_values=True"], "context_values needs the numeric embedding"),
+])
+def test_a_bad_config_field_stops_convert_without_torch(tmp_path, console_script, settings, said):
+    """The check runs before torch and transformers are imported (seconds on a small machine), in one line."""
+    source = tmp_path / "qwen"
+    source.mkdir()
+    options = [option for setting in settings for option in ("--set", setting)]
+    result = run_python("-X", "importtime", str(console_script), "convert", str(source), str(tmp_path / "out"),
+                        *options)
+    assert result.returncode == 2
+    said_lines = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
+    assert said_lines[-1].startswith("causal-qwen: error: argument --set: ") and said in said_lines[-1]
+    heavy = sorted(m for m in imported_modules(result.stderr) if m.split(".")[0] in ("torch", "transformers"))
+    assert not heavy, heavy[:10]
+
+
+def test_a_backbone_field_of_the_wrong_type_stops_convert_in_one_line(tmp_path, capsys):
+    source = tmp_path / "qwen"
+    source.mkdir()
+    with pytest.raises(SystemExit) as stop:
+        main(["convert", str(source), str(tmp_path / "out"), "--set", "use_cache=3"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("causal-qwen: error: argument --set: ") and "use_cache" in err[-1]
+
+
 def test_a_folder_under_a_literal_tilde_loads_as_that_folder(tmp_path, monkeypatch):
     """`"~/qwen"` (quoted, so the shell leaves it) is the folder under the home directory, not a hub id."""
     import transformers

@@ -287,3 +287,32 @@ def test_a_checkpoint_missing_a_causal_tensor_is_refused(tmp_path, tiny_qwen):
     save_file({k: v for k, v in tensors.items() if k != "model.norm.weight"}, path, metadata={"format": "pt"})
     _, info = CausalQwenForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert info["missing_keys"] == {"model.norm.weight"}
+
+
+def test_the_early_field_lists_are_the_configs():
+    """`causal-qwen convert --set` checks names against `config_fields` before transformers loads: its lists must be
+    the installed transformers' fields and the config's own causal fields."""
+    import dataclasses
+
+    from transformers import Qwen2Config
+
+    from causal_qwen import config_fields
+
+    qwen2 = {field.name for field in dataclasses.fields(Qwen2Config)} | set(Qwen2Config.attribute_map)
+    assert config_fields.QWEN2_FIELDS == qwen2
+    causal = {field.name for field in dataclasses.fields(CausalQwenConfig)} - qwen2
+    assert config_fields.CHECKED_FIELDS - {"tie_word_embeddings"} == causal
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("ovr_threshold", "20"), ("ovr_threshold", float("inf")), ("gate_alpha", 1.5), ("use_numeric", 1),
+    ("context_values_rank", 0), ("causal_size", 2.0), ("value_transform", "log"), ("context_values_log", "ln"),
+    ("value_head_fit", [1]), ("scale_min", 0.0), ("regression_noise", -1.0),
+])
+def test_the_early_check_refuses_what_the_config_refuses(tiny_qwen, field, value):
+    from causal_qwen.config_fields import check_field
+
+    with pytest.raises((TypeError, ValueError), match=field) as by_config:
+        CausalQwenForCausalLM.from_qwen(tiny_qwen, num_token_id=NUM, **{field: value})
+    with pytest.raises(by_config.type, match=field):
+        check_field(field, value)
