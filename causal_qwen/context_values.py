@@ -152,43 +152,6 @@ class CausalQwenContextValues(nn.Module):
         self.mean_width = nn.Parameter(torch.zeros(1))
         self.register_load_state_dict_post_hook(_read_added_as_before)
 
-    def start_tensors(
-        self, generator: torch.Generator | None = None, linear_only: bool = False
-    ) -> dict[str, torch.Tensor]:
-        """The start of a new path, by parameter name: small copy scores, combinations of weight 0 whose gradient
-        is not (a gain at 0 on both factors would be a saddle, so their queries start constant and their keys at
-        0), the linear read-out's score above the combinations', and ρ = 1. Random draws from `generator`.
-
-        With `linear_only` (a model's path before its start from data), the copy queries are 0 and the linear
-        read-out's score is 40 above every other and the mean's weight is 0, so that the value is the linear law's
-        to within e^-40 until `fit_value_head` fits the path."""
-        r, hidden = self.rank, self.query.in_features
-        tensors = {}
-        for name in ("query", "key"):
-            weight = torch.randn((3 * r, hidden), generator=generator, device="cpu") * hidden ** -0.5
-            weight[r:] = 0.0
-            if linear_only and name == "query":
-                weight.zero_()
-            tensors[f"{name}.weight"] = weight
-        # 0: the key is the number's own until a start from data fits it (and a checkpoint without it is read as 0).
-        tensors["key_before.weight"] = torch.zeros(self.key_before.weight.shape)
-        tensors["query.bias"] = torch.cat((torch.zeros(r), torch.full((2 * r,), r ** -0.5)))
-        tensors["key.bias"] = torch.zeros(3 * r)
-        tensors["choice.weight"] = torch.zeros(self.choice.weight.shape)
-        tensors["choice.bias"] = torch.tensor(_START_SCORES[:-1])
-        tensors["mean_score.weight"] = torch.zeros(self.mean_score.weight.shape)
-        tensors["mean_score.bias"] = torch.tensor(_START_SCORES[-1:])
-        if linear_only:
-            tensors["choice.bias"][0] = LINEAR_ONLY_SCORE
-            tensors["mean_score.bias"][0] = _MEAN_ABSENT_SCORE
-        tensors["guard.weight"] = torch.zeros(self.guard.weight.shape)
-        tensors["guard.bias"] = torch.zeros(1)
-        tensors["width.weight"] = torch.zeros(self.width.weight.shape)
-        tensors["width.bias"] = torch.zeros(1)
-        tensors["width_by_choice"] = torch.zeros(len(CANDIDATES))
-        tensors["mean_width"] = torch.zeros(1)
-        return tensors
-
     @torch.no_grad()
     def reset_parameters(
         self, generator: torch.Generator | None = None, *, keep_loaded: bool = True, linear_only: bool = False
@@ -196,7 +159,7 @@ class CausalQwenContextValues(nn.Module):
         """Write `start_tensors`; with `keep_loaded`, through transformers' init helpers, which leave a tensor
         loaded from a checkpoint as it is."""
         params = dict(self.named_parameters())
-        for name, tensor in self.start_tensors(generator, linear_only).items():
+        for name, tensor in start_tensors(self, generator, linear_only).items():
             if keep_loaded:
                 init.copy_(params[name], tensor)
             else:
@@ -303,26 +266,6 @@ class CausalQwenContextValues(nn.Module):
             linear, offset = linear + in_graph, offset + in_graph
         zero = keys.new_zeros(())
         return linear, offset, read.width, zero + in_graph if graph else zero
-
-    def count_numbers(self, is_num: torch.Tensor, cache: Cache | None) -> int | None:
-        """The most `<NUM>` positions of any row of the context that a forward of new positions `is_num` `[B, S]`
-        reads, the cache's entries and the new positions, as `forward` would count them after the cache's update;
-        None where `forward` counts nothing (a static cache, whose forward reads every position) or where the cache's
-        rows are not the input's (`forward` then counts, or rejects the batch, as without this count)."""
-        owner = getattr(cache, "self_attention_cache", cache)
-        index = getattr(owner, "_context_values_layer", None)
-        if index is None:  # no cache, or one the path has not written yet: the new positions are the context
-            layers = getattr(owner, "layers", None)
-            return None if layers and isinstance(layers[0], StaticLayer) else _count_numbers(is_num)
-        layer = owner.layers[index]
-        if isinstance(layer, StaticLayer):
-            return None
-        if not layer.is_initialized or layer.values.numel() == 0:
-            return _count_numbers(is_num)
-        before = layer.values[:, 0, :, 2]
-        if before.shape[0] != is_num.shape[0]:
-            return None
-        return _count_numbers(torch.cat((before, is_num.to(before.dtype)), -1))
 
     def _needs_graph(self, hidden_states: torch.Tensor) -> bool:
         """Whether this forward adds the zero terms of `ContextRead.in_graph`: in training, where a gradient can
@@ -433,6 +376,65 @@ class CausalQwenContextValues(nn.Module):
         return self._in_graph(read, q, choice, raw_width, by_choice, graph)
 
 
+def start_tensors(
+    path: CausalQwenContextValues, generator: torch.Generator | None = None, linear_only: bool = False
+) -> dict[str, torch.Tensor]:
+    """The start of a new `path`, by parameter name: small copy scores, combinations of weight 0 whose gradient
+    is not (a gain at 0 on both factors would be a saddle, so their queries start constant and their keys at
+    0), the linear read-out's score above the combinations', and ρ = 1. Random draws from `generator`.
+
+    With `linear_only` (a model's path before its start from data), the copy queries are 0 and the linear
+    read-out's score is 40 above every other and the mean's weight is 0, so that the value is the linear law's
+    to within e^-40 until `fit_value_head` fits the path."""
+    r, hidden = path.rank, path.query.in_features
+    tensors = {}
+    for name in ("query", "key"):
+        weight = torch.randn((3 * r, hidden), generator=generator, device="cpu") * hidden ** -0.5
+        weight[r:] = 0.0
+        if linear_only and name == "query":
+            weight.zero_()
+        tensors[f"{name}.weight"] = weight
+    # 0: the key is the number's own until a start from data fits it (and a checkpoint without it is read as 0).
+    tensors["key_before.weight"] = torch.zeros(path.key_before.weight.shape)
+    tensors["query.bias"] = torch.cat((torch.zeros(r), torch.full((2 * r,), r ** -0.5)))
+    tensors["key.bias"] = torch.zeros(3 * r)
+    tensors["choice.weight"] = torch.zeros(path.choice.weight.shape)
+    tensors["choice.bias"] = torch.tensor(_START_SCORES[:-1])
+    tensors["mean_score.weight"] = torch.zeros(path.mean_score.weight.shape)
+    tensors["mean_score.bias"] = torch.tensor(_START_SCORES[-1:])
+    if linear_only:
+        tensors["choice.bias"][0] = LINEAR_ONLY_SCORE
+        tensors["mean_score.bias"][0] = _MEAN_ABSENT_SCORE
+    tensors["guard.weight"] = torch.zeros(path.guard.weight.shape)
+    tensors["guard.bias"] = torch.zeros(1)
+    tensors["width.weight"] = torch.zeros(path.width.weight.shape)
+    tensors["width.bias"] = torch.zeros(1)
+    tensors["width_by_choice"] = torch.zeros(len(CANDIDATES))
+    tensors["mean_width"] = torch.zeros(1)
+    return tensors
+
+
+def count_numbers(is_num: torch.Tensor, cache: Cache | None) -> int | None:
+    """The most `<NUM>` positions of any row of the context that a forward of new positions `is_num` `[B, S]`
+    reads, the cache's entries and the new positions, as `CausalQwenContextValues.forward` would count them after
+    the cache's update; None where `forward` counts nothing (a static cache, whose forward reads every position) or
+    where the cache's rows are not the input's (`forward` then counts, or rejects the batch, as without this count)."""
+    owner = getattr(cache, "self_attention_cache", cache)
+    index = getattr(owner, "_context_values_layer", None)
+    if index is None:  # no cache, or one the path has not written yet: the new positions are the context
+        layers = getattr(owner, "layers", None)
+        return None if layers and isinstance(layers[0], StaticLayer) else _count_numbers(is_num)
+    layer = owner.layers[index]
+    if isinstance(layer, StaticLayer):
+        return None
+    if not layer.is_initialized or layer.values.numel() == 0:
+        return _count_numbers(is_num)
+    before = layer.values[:, 0, :, 2]
+    if before.shape[0] != is_num.shape[0]:
+        return None
+    return _count_numbers(torch.cat((before, is_num.to(before.dtype)), -1))
+
+
 @torch.no_grad()
 def _read_added_as_before(path: CausalQwenContextValues, incompatible_keys) -> None:
     """After torch's `load_state_dict` of a checkpoint saved before some of the path's tensors existed
@@ -448,7 +450,7 @@ def _read_added_as_before(path: CausalQwenContextValues, incompatible_keys) -> N
     for owner, name in ADDED:
         key = prefix + name
         if owner == "context_values" and key in incompatible_keys.missing_keys:
-            start = path.start_tensors(torch.Generator(), linear_only=True) if start is None else start
+            start = start_tensors(path, torch.Generator(), linear_only=True) if start is None else start
             path.get_parameter(name).copy_(start[name])
             incompatible_keys.missing_keys.remove(key)
 

@@ -26,7 +26,7 @@ from . import cauchy
 from .cauchy import symlog, untransform_values
 from .checks import check_forward_inputs, check_values_in_range
 from .configuration import CausalQwenConfig
-from .context_values import CausalQwenContextValues, ContextRead
+from .context_values import CausalQwenContextValues, ContextRead, count_numbers
 from .conversion import convert_qwen
 from .distributed import (
     check_zero3_heads,
@@ -136,13 +136,13 @@ class CausalQwenAbduction(nn.Module):
         self, input_ids: torch.Tensor | None, cache: Cache | None
     ) -> tuple[torch.Tensor | None, int | None]:
         """Where the new positions are `<NUM>` `[B, S]` and the most numbers of any row of the context the path will
-        read (`CausalQwenContextValues.count_numbers`), or `(None, None)` where there is nothing to count. Called
+        read (`context_values.count_numbers`), or `(None, None)` where there is nothing to count. Called
         before the backbone runs: on a GPU a count waits for the device, which then has only the inputs' work queued,
         where after the backbone it would wait for all of it."""
         if self.context_values is None or input_ids is None or torch.compiler.is_compiling():
             return None, None
         is_num = input_ids == self.config.num_token_id
-        return is_num, self.context_values.count_numbers(is_num, cache)
+        return is_num, count_numbers(is_num, cache)
 
     def read_context(
         self,

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from causal_qwen import CausalQwenConfig, CausalQwenForCausalLM
-from causal_qwen.context_values import CausalQwenContextValues, entry_values
+from causal_qwen import CausalQwenConfig, CausalQwenForCausalLM, context_values
+from causal_qwen.context_values import CausalQwenContextValues, count_numbers, entry_values
 
 NUM = 120
 PAD = 0
@@ -358,9 +358,9 @@ def test_the_path_reads_no_device_value_after_the_backbone(model, tiny_qwen):
         with torch.no_grad():
             m(ids[:, :-2], numeric_values=values[:, :-2], past_key_values=cache, use_cache=True)
             if name == "on":  # the whole context's count: the cache's 10 positions and the 2 new ones
-                assert model.abduction.context_values.count_numbers(ids[:, -2:] == NUM, cache) == 3
-                assert model.abduction.context_values.count_numbers(ids[:, :10] == NUM, None) == 3
-                assert model.abduction.context_values.count_numbers(ids[1:, :4] == NUM, None) == 1
+                assert count_numbers(ids[:, -2:] == NUM, cache) == 3
+                assert count_numbers(ids[:, :10] == NUM, None) == 3
+                assert count_numbers(ids[1:, :4] == NUM, None) == 1
             with _ReadsAfterTheBackbone(m.model) as decoding:
                 step = m(ids[:, -2:], numeric_values=values[:, -2:], past_key_values=cache, use_cache=True)
         reads[name] = (counted.reads, decoding.reads)
@@ -548,9 +548,9 @@ def test_the_start_from_data_fits_the_path_to_copy(tiny_qwen, monkeypatch):
     # scores are e^-40 below it and learn nothing): the path as it was is one of its candidates, the path the last
     # refit wrote, whose NLL it measured as `context_nll` (its float32 maps of z read back, hence the 1e-6 and the
     # 2e-3).
-    start_tensors = CausalQwenContextValues.start_tensors
-    monkeypatch.setattr(CausalQwenContextValues, "start_tensors",
-                        lambda self, generator=None, linear_only=False: start_tensors(self, generator, True))
+    start_tensors = context_values.start_tensors
+    monkeypatch.setattr(context_values, "start_tensors",
+                        lambda path, generator=None, linear_only=False: start_tensors(path, generator, True))
     again = refit_value_readout(model, _repeat_batches(20, seed=1))
     assert abs(again.context_nll_before - refit.context_nll) < 2e-3, (again.context_nll_before, refit.context_nll)
     assert again.context_nll <= again.context_nll_before + 1e-6, (again.context_nll, again.context_nll_before)
