@@ -1,6 +1,7 @@
 """Each formula the library, its generation and its vLLM plugin share is written once, in its owner's file, and the
 plugin calls it (docs/design.md, "One owner per formula"): a copy written again elsewhere fails here."""
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ FORMULAS = [
 ]
 
 
+@functools.cache
 def _sources() -> dict[str, str]:
     return {str(path.relative_to(PACKAGE)): path.read_text() for path in PACKAGE.rglob("*.py")}
 
@@ -82,6 +84,7 @@ OWNERS = [
 ]
 
 
+@functools.cache
 def _definitions() -> dict[str, list[str]]:
     """Every function and class of the package by qualified name (`Class.method`), with the files defining it."""
     import ast
