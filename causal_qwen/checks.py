@@ -155,9 +155,15 @@ def check_forward_inputs(
     numeric_labels: torch.Tensor | None,
     shift_labels: torch.Tensor | None = None,
     shift_numeric_labels: torch.Tensor | None = None,
+    logits_to_keep: int | torch.Tensor = 0,
 ) -> None:
     """Reject inputs of `CausalQwenForCausalLM.forward` that would otherwise give a silent wrong result."""
     vocab = config.vocab_size
+    if (labels is not None or shift_labels is not None) and not (isinstance(logits_to_keep, int) and
+                                                                  logits_to_keep == 0):
+        # Qwen2 fails deep in its loss here; the loss reads every position, which only 0 keeps.
+        raise ValueError("logits_to_keep must be 0 (every position) when labels or shift_labels are given, got "
+                         f"{logits_to_keep if isinstance(logits_to_keep, int) else 'a tensor of positions'}")
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("Pass exactly one of input_ids and inputs_embeds")
     if input_ids is not None:

@@ -21,8 +21,11 @@ in `generation_processors`; this module holds what ties them to a call: its opti
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -38,6 +41,7 @@ from .generated_numbers import GeneratedNumbers, StreamerWithNumbers
 from .generation_modes import DECISION_RULES, SAMPLING_MODE, DecisionRule
 from .generation_options import GENERATION_MODES, check_generation_options, resolve_mode
 from .generation_processors import DecisionScores, GeneratorSampling, StopStringsWithNumbers
+from .outputs import CausalQwenActionOutput
 
 __all__ = [
     "GENERATION_MODES", "CausalQwenGenerateOutput", "CausalQwenGenerateBeamOutput", "CausalGenerationState",
@@ -116,8 +120,9 @@ class ModeDecisions:
 class CausalGenerationState:
     """What one `generate` call carries from step to step: its decisions and its numbers.
 
-    The forward calls `decide` at the positions it kept; `prepare_inputs_for_generation`, the stopping criteria,
-    the streamer and the candidate generator read the numbers (`numbers`).
+    While the loop runs, the model's action module decides in the mode (`deciding_in_mode`: the forward itself knows
+    nothing of generation); `prepare_inputs_for_generation`, the stopping criteria, the streamer and the
+    candidate generator read the numbers (`numbers`).
     """
 
     def __init__(self, decisions: ModeDecisions, numbers: GeneratedNumbers):
@@ -169,6 +174,48 @@ class CausalGenerationState:
         return self.numbers.sync(input_ids, prompt_values)
 
 
+_RUNNING = threading.local()
+"""Per thread, the `(action module, state)` of each `generate` running, the innermost last (an assistant's own
+`generate` runs inside its model's): the state whose module it is decides; another thread's calls are not seen."""
+
+
+def register_mode_hooks(action: torch.nn.Module) -> None:
+    """torch forward hooks on the model's action module: within `generate`, on its thread, the heads are the mode's
+    (`CausalGenerationState.decide`), so that the model's forward knows nothing of generation; outside, they do
+    nothing. Registered once, when the model is built (registering per call would race another thread's forward)."""
+    action.register_forward_pre_hook(_skip_own_distributions, with_kwargs=True)
+    # First of the forward hooks: a sharding engine's own, registered later, may release the heads' weights.
+    action.register_forward_hook(_decide_in_mode, with_kwargs=True, prepend=True)
+
+
+@contextlib.contextmanager
+def deciding_in_mode(action: torch.nn.Module, state: CausalGenerationState) -> Iterator[None]:
+    """Within the block, on this thread, `action`'s forward gives `state`'s heads (`register_mode_hooks`)."""
+    running = _RUNNING.__dict__.setdefault("stack", [])
+    running.append((action, state))
+    try:
+        yield
+    finally:
+        running.pop()
+
+
+def _state_deciding(module: torch.nn.Module) -> CausalGenerationState | None:
+    running = getattr(_RUNNING, "stack", None)
+    return running[-1][1] if running and running[-1][0] is module else None
+
+
+def _skip_own_distributions(module, args, kwargs):
+    """The mode computes its own decision distributions: the module's are not needed."""
+    return (args, {**kwargs, "output_distributions": False}) if _state_deciding(module) is not None else None
+
+
+def _decide_in_mode(module, args, kwargs, output):
+    state = _state_deciding(module)
+    # The model's forward passes loc_U and scale_U first, and the context by keyword.
+    return None if state is None else CausalQwenActionOutput(
+        **state.decide(module, args[0], args[1], kwargs.get("context")))
+
+
 _SOFTMAX_DECODINGS = (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
 """Decoding strategies that only `traditional` mode can run, implied by them when no mode is named."""
 
@@ -191,7 +238,6 @@ class CausalQwenGenerationMixin(GenerationMixin):
         """
         model_inputs = super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
         if generation_state is not None:
-            model_inputs["generation_state"] = generation_state
             numeric_values = generation_state.sync(input_ids, numeric_values)
         fed = model_inputs.get("input_ids")
         if numeric_values is not None and fed is not None:
@@ -263,9 +309,10 @@ class CausalQwenGenerationMixin(GenerationMixin):
         generation_config, kwargs = _override(generation_config, kwargs, return_dict_in_generate=True)
         state = _new_state(self, rule, resolved, shared_individual or shared_noise, generator, prompt_ids)
         kwargs = _with_number_hooks(state, resolved.stop_strings, prompt_ids, numeric_values, kwargs)
-        output = super().generate(
-            inputs, generation_config, numeric_values=numeric_values, generation_state=state, **kwargs,
-        )
+        with deciding_in_mode(self.action, state):
+            output = super().generate(
+                inputs, generation_config, numeric_values=numeric_values, generation_state=state, **kwargs,
+            )
         values, loc_y, scale_y = state.numbers.finish(output.sequences)
         if not return_dict:
             return output.sequences

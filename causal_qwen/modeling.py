@@ -37,7 +37,7 @@ from .distributed import (
 )
 from .finetuning import apply_freeze_backbone, enable_abduction_finetuning
 from .forward_guard import KeepsOwnForward
-from .generation import CausalGenerationState, CausalQwenGenerationMixin
+from .generation import CausalQwenGenerationMixin, register_mode_hooks
 from .labels import LossTargets
 from .loading import CausalQwenLoadingMixin, check_config_matches_modules, inverse_softplus, module_fields
 from .loss import AnchorTerm, DecisionScores, FusedHead, LossOptions, Tiling, causal_qwen_loss
@@ -439,6 +439,7 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenLoadingMixin, K
         self.numeric_embedding = CausalQwenNumericEmbedding(config) if config.use_numeric else None
         self.abduction = CausalQwenAbduction(config)
         self.action = CausalQwenAction(config)
+        register_mode_hooks(self.action)  # the heads in generate's modes (generation.py)
         self.abduction_anchor = CausalQwenAbduction(config) if config.abduction_anchor_weight > 0 else None
         # What the config said of the modules when they were built: an edit of it since stops the forward and the save.
         self.built_module_fields = module_fields(config)
@@ -459,21 +460,20 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenLoadingMixin, K
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         output_distributions: bool | None = None,
-        generation_state: CausalGenerationState | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalQwenOutput:
         r"""Qwen2's forward, with the numbers' values in and the causal heads out ([docs/api.md](docs/api.md#forward)).
 
         `numeric_values` `[B, S]`: the value of each `<NUM>`, 0 elsewhere. `labels`: unshifted, −100 where no loss is
         wanted; `numeric_labels` (default `numeric_values`): the values read where a label is `<NUM>`. A training
-        step's loss is fused (`loc_S`, `scale_S`, `logits` None) unless `output_distributions`. `generation_state`
-        (set by `generate`) runs the heads in its mode. `kwargs` go to the backbone, but for the loss's keywords."""
+        step's loss is fused (`loc_S`, `scale_S`, `logits` None) unless `output_distributions`; it reads every position
+        (`logits_to_keep` 0). `kwargs` go to the backbone, but for the loss's keywords."""
         # Keywords, not parameters: Trainer takes each forward parameter named "*label*" for a label it must be given.
         loss_kwargs = {name: kwargs.pop(name, None) for name in _LOSS_KEYWORDS}
         if not torch.compiler.is_compiling():
             check_config_matches_modules(self)  # the config is plain data: a field edited since the build stops here
         check_forward_inputs(self.config, input_ids, numeric_values, inputs_embeds, labels, numeric_labels,
-                             loss_kwargs["shift_labels"], loss_kwargs["shift_numeric_labels"])
+                             loss_kwargs["shift_labels"], loss_kwargs["shift_numeric_labels"], logits_to_keep)
         if numeric_values is not None and self.config.use_numeric and not torch.compiler.is_compiling():
             # Autograd records the context-value path's raw-space combination, whose weights' gradient carries v.
             raw_gradient = torch.is_grad_enabled() and self.abduction.context_values is not None
@@ -490,25 +490,18 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenLoadingMixin, K
         is_num, numbers = self.abduction.count_numbers(input_ids, past_key_values)
         outputs = self.model(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
                              past_key_values=past_key_values, use_cache=use_cache, **kwargs)
-        kept = 0 if has_targets else logits_to_keep
-        hidden_states = keep_positions(outputs.last_hidden_state, kept)
+        hidden_states = keep_positions(outputs.last_hidden_state, logits_to_keep)
         loc_u, scale_u = self.abduction(hidden_states)
         cache = outputs.past_key_values if outputs.past_key_values is not None else past_key_values
-        context = self.abduction.read_context(outputs.last_hidden_state, input_ids, numeric_values, kept, cache,
-                                              position_ids, is_num=is_num, numbers=numbers)
-        if generation_state is not None:
-            # The mode's own scores reach the loop as scores (generation_processors.DecisionScores); logits stay
-            # its loc_S.
-            heads = CausalQwenActionOutput(**generation_state.decide(self.action, loc_u, scale_u, context))
-            loc_u, scale_u = (t[:, -heads.loc_S.shape[1]:] for t in (loc_u, scale_u))  # the positions it decided
-        else:
-            full = output_distributions if output_distributions is not None else not training_step
-            anchor = self._anchor(hidden_states, loc_u, scale_u) if has_targets else None
-            heads = self.action(loc_u, scale_u, targets, output_distributions=full, anchor=anchor, context=context)
-            if training_step and not same_graph:
-                # A batch without numbers leaves the numeric embedding out of the graph (docs/design.md §4); under a
-                # sharding engine it is in it already, and its parameters are not read outside its forward.
-                heads.loss = heads.loss + keep_in_graph(self.numeric_embedding)
+        context = self.abduction.read_context(outputs.last_hidden_state, input_ids, numeric_values, logits_to_keep,
+                                              cache, position_ids, is_num=is_num, numbers=numbers)
+        full = output_distributions if output_distributions is not None else not training_step
+        anchor = self._anchor(hidden_states, loc_u, scale_u) if has_targets else None
+        heads = self.action(loc_u, scale_u, targets, output_distributions=full, anchor=anchor, context=context)
+        if training_step and not same_graph:
+            # A batch without numbers leaves the numeric embedding out of the graph (docs/design.md §4); under a
+            # sharding engine it is in it already, and its parameters are not read outside its forward.
+            heads.loss = heads.loss + keep_in_graph(self.numeric_embedding)
 
         return CausalQwenOutput(
             loss=heads.loss, cls_loss=heads.cls_loss, reg_loss=heads.reg_loss, logits=heads.loc_S, loc_S=heads.loc_S,

@@ -661,6 +661,50 @@ def test_threads_sampling_on_one_model_reproduce_sequential_runs(model):
         assert all(torch.equal(run, sequential[seed]) for run in results[seed])
 
 
+def test_the_mode_reaches_the_heads_only_within_generate_and_on_its_thread(model):
+    # The forward takes no generation state: the mode acts through hooks on the action module. A forward on another
+    # thread while a causal generation is inside its loop is the plain forward, and so is one after it.
+    import inspect
+    import threading
+
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    assert "generation_state" not in inspect.signature(type(model).forward).parameters
+    ids, mask = left_padded_batch()
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask)
+    inside, done = threading.Event(), threading.Event()
+
+    class WaitInsideTheLoop(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            inside.set()
+            assert done.wait(timeout=60)
+            return scores
+
+    errors = []
+
+    def generate():
+        try:
+            gen(model, ids, mask, mode="causal", max_new_tokens=3, logits_processor=LogitsProcessorList(
+                [WaitInsideTheLoop()]))
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    assert inside.wait(timeout=60)
+    with torch.no_grad():
+        beside = model(ids, attention_mask=mask)
+    done.set()
+    thread.join()
+    with torch.no_grad():
+        after = model(ids, attention_mask=mask)
+    assert not errors
+    for out in (beside, after):
+        for name in ("loc_S", "scale_S", "loc_Y", "scale_Y", "loc_U"):
+            assert torch.equal(out[name], plain[name]), name
+
+
 def forced_numbers(model, reg_bias):
     with torch.no_grad():
         model.action.threshold[NUM] = -1e4

@@ -357,6 +357,13 @@ def test_bad_inputs_raise_naming_the_argument(tiny_qwen):
         model(with_num, labels=with_num)
     with pytest.raises(ValueError, match="numeric_labels"):
         model(with_num, labels=with_num, numeric_labels=torch.zeros(2, 3))
+    # The loss reads every position: keeping fewer with labels is refused (Qwen2 fails inside its loss).
+    for kept in (1, torch.tensor([4])):
+        with pytest.raises(ValueError, match="logits_to_keep must be 0"):
+            model(ids, labels=ids, logits_to_keep=kept)
+        with pytest.raises(ValueError, match="logits_to_keep must be 0"):
+            model(ids, shift_labels=ids, logits_to_keep=kept)
+    assert model(ids, labels=ids, logits_to_keep=0).loss.isfinite()
     text_only = CausalQwenForCausalLM.from_qwen(tiny_qwen, use_numeric=False)
     with pytest.raises(ValueError, match="use_numeric=False"):
         text_only(ids, numeric_values=torch.ones(2, 5))
