@@ -75,17 +75,10 @@ from causal_qwen.data import (  # noqa: E402
     template_baselines,
     tokenize_examples,
 )
-from causal_qwen.starts import (  # noqa: E402
-    PENALTIES,
-    _read_rows_in_eval,
-    _ridge,
-    _write_readout,
-    path_pointer,
-    path_rows,
-    path_widths,
-)
 from causal_qwen.starts import path as context_start  # noqa: E402
+from causal_qwen.starts import path_pointer, path_rows, path_widths  # noqa: E402
 from causal_qwen.starts.path import ContextRows  # noqa: E402
+from causal_qwen.starts.readout import PENALTIES, _read_rows_in_eval, _ridge, _write_readout  # noqa: E402
 
 SPLITS = ("test", "real_test", "extrapolation")
 

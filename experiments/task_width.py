@@ -30,7 +30,7 @@ import run_experiment as experiment  # noqa: E402
 
 from causal_qwen import CausalQwenTokenizer  # noqa: E402
 from causal_qwen.data import CausalQwenDataCollator, tokenize_examples  # noqa: E402
-from causal_qwen.starts import _read_rows_in_eval  # noqa: E402
+from causal_qwen.starts.readout import _read_rows_in_eval  # noqa: E402
 
 
 def read(args) -> None:
