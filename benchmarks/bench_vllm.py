@@ -4,8 +4,10 @@ One run measures, on the same batch of prompts (greedy, exactly `--new-tokens` n
 vLLM serving the real Qwen2.5-0.5B, vLLM serving that model converted to CausalQwen (`from_qwen` with its defaults,
 the context-value path on; saved with its tokenizer), and the library's `generate(mode="traditional")` on the
 converted model with the same batch (left padded). Each vLLM engine runs in its own process; the first request batch
-warms it up and is not timed. It prints generated tokens per second and the two ratios (bars: ≥ 0.85 against vLLM's
-Qwen2, ≥ 3 against `generate`).
+warms it up and is not timed. Then the same prompts as `--batch` concurrent completions over HTTP on loopback, to
+vLLM's OpenAI-compatible server on Qwen2.5-0.5B and to the package's server on the converted model, which writes the
+numbers into the text (`causal_qwen.integrations.vllm_server`). It prints generated tokens per second and the three
+ratios (bars: ≥ 0.85 against vLLM's Qwen2, offline and served; ≥ 3 against `generate`).
 
 Run it in the vllm environment (docs/serving.md):
 
@@ -37,6 +39,10 @@ PROMPTS = [
     "Dear hiring manager,", "In computer science, a hash table",
 ]
 QWEN25_DIR = Path(os.environ.get("CAUSAL_QWEN_QWEN25_DIR", Path.home() / ".cache" / "causal_qwen" / "qwen2.5-0.5b"))
+
+
+SERVERS = {"vllm-server": "vllm.entrypoints.openai.api_server",
+           "numbers-server": "causal_qwen.integrations.vllm_server"}
 
 
 def prompts(batch: int) -> list[str]:
@@ -73,6 +79,52 @@ def library_rate(model_dir: str, batch: int, new_tokens: int, dtype: str) -> flo
     out = model.generate(**batch_inputs, **kwargs)
     elapsed = time.perf_counter() - start
     return (out.shape[1] - batch_inputs["input_ids"].shape[1]) * batch / elapsed
+
+
+def served_rate(module: str, model_dir: str, batch: int, new_tokens: int, dtype: str) -> float:
+    """Generated tokens per second of an OpenAI-compatible server on loopback (vLLM's own, or the package's, which
+    writes the numbers into the text), answering `batch` concurrent completions; one warm-up round is not timed."""
+    import socket
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", module, "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", dtype, "--max-model-len", "512", "--max-num-seqs", str(batch), "--seed", "0",
+               "--kv-cache-memory-bytes", "1G", "--served-model-name", "served"]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+
+    def complete(prompt: str) -> int:
+        body = {"model": "served", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+        request = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return json.load(response)["usage"]["completion_tokens"]
+
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"{module} exited with {server.returncode} before it answered")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{module} did not answer /health within 600 s") from None
+                time.sleep(2)
+        with ThreadPoolExecutor(batch) as pool:
+            list(pool.map(complete, prompts(batch)))  # warm-up
+            start = time.perf_counter()
+            tokens = sum(pool.map(complete, prompts(batch)))
+            elapsed = time.perf_counter() - start
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+    return tokens / elapsed
 
 
 def convert(target: str, dtype: str) -> None:
@@ -113,7 +165,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         kind, model_dir = args.child
-        rate = (vllm_rate if kind == "vllm" else library_rate)(model_dir, args.batch, args.new_tokens, args.dtype)
+        if kind in SERVERS:
+            rate = served_rate(SERVERS[kind], model_dir, args.batch, args.new_tokens, args.dtype)
+        else:
+            rate = (vllm_rate if kind == "vllm" else library_rate)(model_dir, args.batch, args.new_tokens,
+                                                                   args.dtype)
         print(json.dumps({"rate": rate}))
         return
     common = ["--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--dtype", args.dtype]
@@ -123,12 +179,18 @@ def main() -> None:
         qwen = run_child("vllm", str(QWEN25_DIR), *common, env=env)
         causal = run_child("vllm", converted, *common, env=env)
         library = run_child("library", converted, *common)
+        qwen_served = run_child("vllm-server", str(QWEN25_DIR), *common, env=env)
+        causal_served = run_child("numbers-server", converted, *common, env=env)
     print(f"batch {args.batch}, {args.new_tokens} new tokens, {args.dtype}, {os.cpu_count()} CPUs, vLLM cores "
           f"{args.vllm_cores}, generated tokens/s:")
     print(f"  vLLM, Qwen2.5-0.5B           {qwen:9.1f}")
     print(f"  vLLM, CausalQwen (converted) {causal:9.1f}")
     print(f"  library generate, CausalQwen {library:9.1f}")
+    print(f"  served: vLLM's server, Qwen2.5-0.5B              {qwen_served:9.1f}")
+    print(f"  served: the package's server, numbers written    {causal_served:9.1f}")
     print(f"ratio CausalQwen on vLLM / Qwen2.5 on vLLM: {causal / qwen:.2f} (bar 0.85)")
+    print(f"ratio served with the numbers written / Qwen2.5 on vLLM's server: {causal_served / qwen_served:.2f} "
+          "(bar 0.85)")
     print(f"ratio CausalQwen on vLLM / library generate: {causal / library:.2f} (bar 3)")
 
 

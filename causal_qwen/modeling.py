@@ -570,9 +570,8 @@ class CausalQwenForCausalLM(CausalQwenGenerationMixin, CausalQwenLoadingMixin, K
         where = (sequences[:, sequences.shape[1] - steps:] == self.config.num_token_id) & loc_y.isfinite()
         _, low, high = self.value_interval(loc_y, scale_y, 0.5)
         for row, step in where.nonzero().tolist():
-            written = float(generated[row, step])
-            bounds = min(float(low[row, step]), written), max(float(high[row, step]), written)
-            generated[row, step] = round_to_interval(written, *bounds)
+            generated[row, step] = round_to_interval(float(generated[row, step]), float(low[row, step]),
+                                                     float(high[row, step]))
         return values
 
     def next_value(self, tokenizer, prompts, levels=(0.5, 0.9), batch_size: int = 16):

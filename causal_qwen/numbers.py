@@ -192,8 +192,9 @@ def supported_place(value: float, low: float, high: float) -> int | None:
 
 def round_to_interval(value: float, low: float, high: float) -> float:
     """`value` rounded to the place its interval supports ([`supported_place`]); unchanged where it gives none.
-    A value copied exactly has an interval far narrower than its last digit, and keeps every digit."""
-    place = supported_place(value, low, high)
+    A value copied exactly has an interval far narrower than its last digit, and keeps every digit; a value outside
+    its interval (a sampled one) is rounded to the digits of the interval stretched to hold it."""
+    place = supported_place(value, min(low, value), max(high, value))
     return value if place is None else round(value, place)
 
 

@@ -14,6 +14,7 @@ FORMULAS = [
     ("symexp(y) if value_transform", "cauchy.py", "untransform_values"),  # a head value back to a value
     ("(entries[..., 2] > 0)", "context_values.py", "visible_entries"),  # which numbers a position reads
     ("posinf=_MAX_VALUE", "generated_numbers.py", "written_values"),  # the number a generation writes
+    ("min(low, value)", "numbers.py", "round_to_interval"),  # the digits it keeps, a value outside its interval
     ("np.float32(v)", "generated_numbers.py", None),  # its digits
     ("reshape(1)", "migrations.py", "upgraded_weights"),  # a 0-dim tensor of an old checkpoint as a vector
     ("_LOG_PI = ", "cauchy.py", None),
@@ -75,6 +76,7 @@ OWNERS = [
     ("cauchy.py", "quantile", None),
     ("cauchy.py", "value_interval", "value_interval("),
     ("generated_numbers.py", "written_values", "written_values("),
+    ("numbers.py", "round_to_interval", "round_to_interval("),
     ("cauchy.py", "kl_divergence", None),
     ("loading.py", "inverse_softplus", None),
     ("conversion.py", "convert_qwen", None),

@@ -456,6 +456,157 @@ def test_vllm_serve_answers_completions_with_numbers(tiny_with_tokenizer):
     assert not killed, f"vllm serve was still running 60 s after SIGTERM:\n{log}"
 
 
+@pytest.fixture(scope="module")
+def tiny_writer(qwen25_dir, tmp_path_factory):
+    """A tiny CausalQwen over the real Qwen2.5 vocabulary that writes <NUM> at some of its greedy steps and text at
+    others (a random <NUM> row of the class head, which makes the choice depend on the context, and its bias moved
+    until it does), saved with its tokenizer."""
+    tokenizer = CausalQwenTokenizer.from_pretrained(qwen25_dir)
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         tie_word_embeddings=False, eos_token_id=151645)
+    model = CausalQwenForCausalLM.from_qwen(Qwen2ForCausalLM(config), tokenizer=tokenizer).eval()
+    num = tokenizer.num_token_id
+
+    def share() -> float:
+        written = [library_text(model, tokenizer, text, "traditional")[0] for text in SERVED_TEXTS]
+        return sum(t.count(num) for t in written) / sum(len(t) for t in written)
+
+    with torch.no_grad():
+        model.action.cls_head.weight[num] = torch.randn(config.hidden_size, generator=torch.Generator().manual_seed(0))
+        for bias in (0.0, 1.0, 2.0, 3.0):
+            model.action.cls_head.bias[num] = bias
+            if 0.1 <= share() <= 0.6:
+                break
+    assert 0.1 <= share() <= 0.6, "the tiny model writes too few or too many <NUM>"
+    path = tmp_path_factory.mktemp("tiny_writer")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model, tokenizer, path
+
+
+SERVED_TEXTS = ["价格是99.9元, and 12 apples cost", "A car of 2300 pounds and 78 horsepower gets"]
+SERVED_TOKENS = 12
+
+
+def library_text(model, tokenizer, text: str, mode: str):
+    """The library's greedy continuation of `text`: its ids, its text with the numbers written as `causal-qwen
+    generate` writes them (`round_generated_numbers`), and per written number its value and 50%/90% intervals."""
+    encoded = tokenizer(text)
+    out = model.generate(torch.tensor([encoded["input_ids"]]),
+                         numeric_values=torch.tensor([encoded["numeric_values"]], dtype=torch.float64), mode=mode,
+                         do_sample=False, max_new_tokens=SERVED_TOKENS, min_new_tokens=SERVED_TOKENS,
+                         return_dict_in_generate=True, output_value_scores=True)
+    start = len(encoded["input_ids"])
+    written = model.round_generated_numbers(out.sequences, out.numeric_values, out.loc_Y, out.scale_Y)
+    ids = out.sequences[0, start:].tolist()
+    decoded = tokenizer.decode(ids, numeric_values=written[0, start:].tolist(), skip_special_tokens=True)
+    _, low50, high50 = model.value_interval(out.loc_Y[0], out.scale_Y[0], 0.5)
+    _, low90, high90 = model.value_interval(out.loc_Y[0], out.scale_Y[0], 0.9)
+    numbers = [(float(out.numeric_values[0, start + i]), float(low50[i]), float(high50[i]), float(low90[i]),
+                float(high90[i])) for i, token in enumerate(ids) if token == tokenizer.num_token_id]
+    return ids, decoded, numbers
+
+
+def _assert_served(text: str, numbers: list[dict], expected) -> None:
+    _, expected_text, expected_numbers = expected
+    assert text == expected_text
+    assert len(numbers) == len(expected_numbers)
+    for number, values in zip(numbers, expected_numbers, strict=True):
+        assert text[number["start"]:number["end"]] == number["text"]
+        got = [number[k] for k in ("value", "lower_50", "upper_50", "lower_90", "upper_90")]
+        assert got == pytest.approx(list(values), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_the_numbers_server_writes_the_numbers_with_their_intervals(tiny_writer):
+    """The package's server (`python -m causal_qwen.integrations.vllm_server`) on loopback, asked through the `openai`
+    client: completions and chat completions, streamed and not, n = 2, a batch of two prompts and standard mode give
+    the library's greedy text with its numbers written, and per number its span, value and intervals; text prompts
+    with numbers are read with their values; the server stops on SIGTERM."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from openai import BadRequestError, OpenAI
+
+    model, tokenizer, path = tiny_writer
+    port = _free_port()
+    command = [sys.executable, "-m", "causal_qwen.integrations.vllm_server", "--model", str(path),
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+               "--max-model-len", "256", "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 << 20),
+               "--served-model-name", "tiny"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if server.poll() is not None:
+                pytest.fail(f"the server exited with {server.returncode}:\n{server.stdout.read()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("the server did not answer /health within 300 s")
+            time.sleep(2)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        greedy = dict(model="tiny", max_tokens=SERVED_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+        expected = [library_text(model, tokenizer, text, "traditional") for text in SERVED_TEXTS]
+
+        answer = client.completions.create(prompt=SERVED_TEXTS[0], n=2, **greedy)
+        assert [c.index for c in answer.choices] == [0, 1]
+        for choice in answer.choices:
+            _assert_served(choice.text, choice.model_extra["numbers"], expected[0])
+        batch = client.completions.create(prompt=SERVED_TEXTS, **greedy)
+        for choice, want in zip(batch.choices, expected, strict=True):
+            _assert_served(choice.text, choice.model_extra["numbers"], want)
+
+        streamed = {0: ["", []], 1: ["", []]}
+        for chunk in client.completions.create(prompt=SERVED_TEXTS[0], n=2, stream=True, **greedy):
+            for choice in chunk.choices:
+                streamed[choice.index][0] += choice.text
+                streamed[choice.index][1] += choice.model_extra["numbers"]
+        for text, numbers in streamed.values():
+            _assert_served(text, numbers, expected[0])
+
+        messages = [{"role": "user", "content": "12 apples cost 3.5 dollars. How much do 7 apples cost?"}]
+        chat_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        expected_chat = library_text(model, tokenizer, chat_prompt, "traditional")
+        chat = client.chat.completions.create(messages=messages, n=2, **greedy)
+        for choice in chat.choices:
+            _assert_served(choice.message.content, choice.model_extra["numbers"], expected_chat)
+        streamed = {0: ["", []], 1: ["", []]}
+        for chunk in client.chat.completions.create(messages=messages, n=2, stream=True, **greedy):
+            for choice in chunk.choices:
+                streamed[choice.index][0] += choice.delta.content or ""
+                streamed[choice.index][1] += choice.model_extra["numbers"]
+        for text, numbers in streamed.values():
+            _assert_served(text, numbers, expected_chat)
+
+        standard = client.completions.create(prompt=SERVED_TEXTS[1], extra_body={
+            "ignore_eos": True, "vllm_xargs": {"causal_qwen_mode": "standard"}},
+            **{k: v for k, v in greedy.items() if k != "extra_body"})
+        _assert_served(standard.choices[0].text, standard.choices[0].model_extra["numbers"],
+                       library_text(model, tokenizer, SERVED_TEXTS[1], "standard"))
+        with pytest.raises(BadRequestError, match="temperature=0"):
+            client.completions.create(prompt="x", model="tiny", max_tokens=2, temperature=0.5,
+                                      extra_body={"vllm_xargs": {"causal_qwen_mode": "standard"}})
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+            killed = False
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=30)
+            killed = True
+    assert not killed, f"the server was still running 60 s after SIGTERM:\n{server.stdout.read()[-4000:]}"
+
+
 def _has_distribution(name: str) -> bool:
     import importlib.metadata
 

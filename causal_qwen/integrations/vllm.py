@@ -172,13 +172,18 @@ def number_prompt(tokenizer, text: str, **sampling: Any) -> tuple[dict, Any]:
 
 @dataclass(frozen=True)
 class GeneratedNumber:
-    """A `<NUM>` the model wrote: its index among the generated ids, its value (the median fed back) and the central
-    90% interval of the value head's Cauchy distribution."""
+    """A `<NUM>` the model wrote: its index among the generated ids, its value (the median fed back), the central
+    90% (`lower`, `upper`) and 50% (`lower_50`, `upper_50`) intervals of the value head's Cauchy distribution, and
+    the value as the text writes it (`written`: rounded to the digits its 50% interval supports, as `generate`'s
+    text does)."""
 
     index: int
     value: float
     lower: float
     upper: float
+    lower_50: float
+    upper_50: float
+    written: float
 
 
 def generated_numbers(sampling_params, *, every_step: bool = False) -> list[GeneratedNumber]:
@@ -240,6 +245,7 @@ class RequestNumbers:
     def numbers(self, num_token_id: int, value_transform: str, *, every_step: bool = False) -> list[GeneratedNumber]:
         """The `<NUM>`s of the output (every position with `every_step`) with their values and 90% intervals."""
         from ..cauchy import value_interval
+        from ..numbers import round_to_interval
 
         found = []
         start = len(self.prompt_ids)
@@ -247,10 +253,13 @@ class RequestNumbers:
             if (token != num_token_id and not every_step) or start + index not in self.predicted:
                 continue
             value, loc, scale = self.predicted[start + index]
-            # The library's interval of the heads' float32 distribution.
+            # The library's intervals of the heads' float32 distribution.
             loc_t, scale_t = (torch.tensor([x], dtype=torch.float64) for x in (loc, scale))
-            _, lower, upper = (float(bound[0]) for bound in value_interval(loc_t, scale_t, 0.9, value_transform))
-            found.append(GeneratedNumber(index, value, lower, upper))
+            (lower, upper), (lower_50, upper_50) = (
+                (float(bound[0]) for bound in value_interval(loc_t, scale_t, coverage, value_transform)[1:])
+                for coverage in (0.9, 0.5))
+            found.append(GeneratedNumber(index, value, lower, upper, lower_50, upper_50,
+                                         round_to_interval(value, lower_50, upper_50)))
         return found
 
 
