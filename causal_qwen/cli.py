@@ -12,6 +12,7 @@ import argparse
 import ast
 import contextlib
 import functools
+import importlib.util
 import json
 import math
 import sys
@@ -32,7 +33,7 @@ CausalQwen: Qwen2 models that read numbers as values, decide each token with One
 decisions and predict numbers with a median and an interval.
 
 Start with `convert` to turn a Qwen2 / Qwen2.5 checkpoint (a folder or a hub id) into a CausalQwen
-checkpoint; then `generate`, `train` and `eval` take that folder. `causal-qwen COMMAND --help` says more.
+checkpoint; then `generate`, `train`, `eval` and `serve` take that folder. `causal-qwen COMMAND --help` says more.
 """
 
 
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # Each subcommand's --help shows the defaults (add_parser does not pass the formatter on).
     commands.add_parser = functools.partial(commands.add_parser, formatter_class=_DefaultsHelpFormatter)
-    for add in (_add_convert, _add_generate, _add_train, _add_value, _add_eval):
+    for add in (_add_convert, _add_generate, _add_train, _add_value, _add_eval, _add_serve):
         add(commands)
     return parser
 
@@ -172,6 +173,17 @@ def _add_eval(commands) -> None:
                           help="seed of the built-in corpus and of the metrics' random draws")
 
 
+def _add_serve(commands) -> None:
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible server on vLLM that writes the numbers into its text",
+        description="Serve the folder on vLLM (installed in an environment of its own, docs/serving.md): completions "
+                    "and chat completions whose text holds the numbers the model writes, with their intervals "
+                    "(causal_qwen.integrations.vllm_server). The options after the folder are vLLM's engine options "
+                    "(--dtype, --kv-cache-memory-bytes, --max-model-len, ...) and --host, --port.")
+    serve.add_argument("model", help="CausalQwen folder")
+    serve.add_argument("options", nargs=argparse.REMAINDER, help="vLLM's engine options, --host and --port")
+
+
 def _add_data_arguments(parser: argparse.ArgumentParser, default_split: str, default_n: int) -> None:
     parser.add_argument("--data", default="corpus",
                         help="'corpus' (the built-in numeric corpus) or a .jsonl/.csv/.txt file of texts, or of "
@@ -194,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     _check_overrides(parser, args)
     _check_eval_data(parser, args)
     run = {"convert": run_convert, "generate": run_generate, "value": run_value, "train": run_train,
-           "eval": run_eval}[args.command]
+           "eval": run_eval, "serve": run_serve}[args.command]
     with quiet_weight_bars(), deepspeed_accelerator_named():
         return run(args)
 
@@ -223,6 +235,9 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
     elif args.command == "generate":
         _check_generate(parser, args)
+    elif args.command == "serve" and importlib.util.find_spec("vllm") is None:
+        parser.error("serve needs vLLM, which is not installed here: it goes in an environment of its own "
+                     "(docs/serving.md)")
     elif args.command == "train" and args.eval_steps is not None and args.eval_steps > args.max_steps:
         parser.error(f"argument --eval-steps: {args.eval_steps} exceeds --max-steps {args.max_steps}, so no "
                      "evaluation would run (0 turns evaluation off)")
@@ -456,6 +471,13 @@ def _say_rounding(full_precision: bool) -> None:
     if not full_precision:
         print("(numbers rounded to the digits their 50% interval supports; --full-precision writes every digit)",
               file=sys.stderr)
+
+
+def run_serve(args) -> int:
+    from .integrations.vllm_server import main as serve
+
+    serve(["--model", args.model, *args.options])
+    return 0
 
 
 def run_value(args) -> int:

@@ -18,7 +18,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
 
 def test_help_explains_every_command():
     out = subprocess.run(["causal-qwen", "--help"], capture_output=True, text=True, check=True).stdout
-    for command in ("convert", "generate", "train", "eval"):
+    for command in ("convert", "generate", "train", "eval", "value", "serve"):
         assert command in out
     sub = subprocess.run(["causal-qwen", "generate", "--help"], capture_output=True, text=True, check=True).stdout
     assert "--mode" in sub and "--seed" in sub
@@ -42,7 +42,7 @@ def _option_entries(help_text: str) -> dict[str, str]:
     return entries
 
 
-@pytest.mark.parametrize("command", ["convert", "generate", "train", "eval", "value"])
+@pytest.mark.parametrize("command", ["convert", "generate", "train", "eval", "value", "serve"])
 def test_every_subcommand_help_shows_each_default_once(command, capsys):
     with pytest.raises(SystemExit) as stop:
         main([command, "--help"])

@@ -391,6 +391,20 @@ def test_train_evaluates_as_planned_and_quietly(converted, tmp_path, monkeypatch
     assert "Loading weights" not in err and "Writing model shards" not in err
 
 
+def test_serve_passes_vllms_options_on_and_stops_in_one_line_without_vllm(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    args = build_parser().parse_args(["serve", "folder", "--dtype", "float32", "--port", "9000"])
+    assert (args.model, args.options) == ("folder", ["--dtype", "float32", "--port", "9000"])
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "vllm" else
+                        find_spec(name, *rest))
+    with pytest.raises(SystemExit) as stop:
+        main(["serve", str(tmp_path), "--dtype", "float32"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "serve needs vLLM" in err and "Traceback" not in err, err
+
+
 def test_missing_and_unconverted_folders_stop_in_one_line_before_loading(tmp_path, capsys):
     from transformers import Qwen2Config
 

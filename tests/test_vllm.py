@@ -521,10 +521,10 @@ def _assert_served(text: str, numbers: list[dict], expected) -> None:
 
 @pytest.mark.slow
 def test_the_numbers_server_writes_the_numbers_with_their_intervals(tiny_writer):
-    """The package's server (`python -m causal_qwen.integrations.vllm_server`) on loopback, asked through the `openai`
-    client: completions and chat completions, streamed and not, n = 2, a batch of two prompts and standard mode give
-    the library's greedy text with its numbers written, and per number its span, value and intervals; text prompts
-    with numbers are read with their values; the server stops on SIGTERM."""
+    """The package's server (`causal-qwen serve`) on loopback, asked through the `openai` client: completions and
+    chat completions, streamed and not, n = 2, a batch of two prompts and standard mode give the library's greedy
+    text with its numbers written, and per number its span, value and intervals; text prompts with numbers are read
+    with their values; the server stops on SIGTERM."""
     import subprocess
     import sys
     import time
@@ -534,8 +534,9 @@ def test_the_numbers_server_writes_the_numbers_with_their_intervals(tiny_writer)
 
     model, tokenizer, path = tiny_writer
     port = _free_port()
-    command = [sys.executable, "-m", "causal_qwen.integrations.vllm_server", "--model", str(path),
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+    # The `causal-qwen` console script as pip writes it.
+    command = [sys.executable, "-c", "import sys; from causal_qwen.cli import main; sys.exit(main())", "serve",
+               str(path), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
                "--max-model-len", "256", "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 << 20),
                "--served-model-name", "tiny"]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
