@@ -520,7 +520,7 @@ def _assert_served(text: str, numbers: list[dict], expected) -> None:
 
 
 @pytest.mark.slow
-def test_the_numbers_server_writes_the_numbers_with_their_intervals(tiny_writer):
+def test_the_numbers_server_writes_the_numbers_with_their_intervals(tiny_writer, tmp_path):
     """The package's server (`causal-qwen serve`) on loopback, asked through the `openai` client: completions and
     chat completions, streamed and not, n = 2, a batch of two prompts and standard mode give the library's greedy
     text with its numbers written, and per number its span, value and intervals; text prompts with numbers are read
@@ -529,17 +529,24 @@ def test_the_numbers_server_writes_the_numbers_with_their_intervals(tiny_writer)
     import sys
     import time
     import urllib.request
+    from pathlib import Path
 
     from openai import BadRequestError, OpenAI
 
     model, tokenizer, path = tiny_writer
     port = _free_port()
-    # The `causal-qwen` console script as pip writes it.
-    command = [sys.executable, "-c", "import sys; from causal_qwen.cli import main; sys.exit(main())", "serve",
-               str(path), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+    # The `causal-qwen` console script as pip writes it (named so: the package then registers its classes lazily).
+    script = tmp_path / "causal-qwen"
+    script.write_text("import re, sys\nfrom causal_qwen.cli import main\nif __name__ == '__main__':\n"
+                      "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n    sys.exit(main())\n")
+    command = [sys.executable, str(script), "serve", str(path), "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", "float32", "--enforce-eager",
                "--max-model-len", "256", "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 << 20),
                "--served-model-name", "tiny"]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # The package of this checkout, whatever an installed copy points at.
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         deadline = time.monotonic() + 300
         while True:

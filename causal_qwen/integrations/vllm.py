@@ -61,7 +61,11 @@ def register() -> None:
     """The `vllm.general_plugins` entry point: register the architecture, the config and the tokenizer."""
     from vllm import ModelRegistry
 
-    import causal_qwen  # noqa: F401  (registers the config and tokenizer with transformers' Auto classes)
+    import causal_qwen
+
+    # The config and tokenizer with transformers' Auto classes (the `causal-qwen` command imports the package
+    # without registering them until it needs them: `causal-qwen serve` does here).
+    causal_qwen.register()
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, f"{__name__}:CausalQwenForVLLM")
