@@ -8,6 +8,7 @@ of the other tests in an environment without vLLM leaves this file out (`--ignor
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
@@ -357,16 +358,21 @@ def real_causal_qwen(real_causal_qwen_folder, engines):
     return model, tokenizer, path, engines.get(path, kv_cache_memory_bytes=256 << 20)
 
 
-@pytest.fixture(scope="module")
-def tiny_with_tokenizer(qwen25_dir, tmp_path_factory):
-    """A tiny CausalQwen over the real Qwen2.5 vocabulary, saved with the CausalQwen tokenizer: a folder that
-    `vllm serve` loads as a checkpoint pushed to the Hub would be."""
+def _tiny_over_qwen25(qwen25_dir):
+    """A tiny CausalQwen converted from a seeded Qwen2 over the real Qwen2.5 vocabulary, and its tokenizer."""
     tokenizer = CausalQwenTokenizer.from_pretrained(qwen25_dir)
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
                          tie_word_embeddings=False, eos_token_id=151645)
-    model = CausalQwenForCausalLM.from_qwen(Qwen2ForCausalLM(config), tokenizer=tokenizer).eval()
+    return CausalQwenForCausalLM.from_qwen(Qwen2ForCausalLM(config), tokenizer=tokenizer).eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(qwen25_dir, tmp_path_factory):
+    """A tiny CausalQwen over the real Qwen2.5 vocabulary, saved with the CausalQwen tokenizer: a folder that
+    `vllm serve` loads as a checkpoint pushed to the Hub would be."""
+    model, tokenizer = _tiny_over_qwen25(qwen25_dir)
     path = tmp_path_factory.mktemp("tiny_served")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -380,6 +386,42 @@ def _free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
+@contextlib.contextmanager
+def _serving(command: list[str], port: int, env: dict[str, str]):
+    """A server started on loopback, given once it answers `/health` (within 300 s); it gets SIGTERM at the end and
+    must stop on its own within 60 s (its exit status depends on the server, so it is not asserted)."""
+    import subprocess
+    import time
+    import urllib.request
+
+    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if server.poll() is not None:
+                pytest.fail(f"the server exited with {server.returncode}:\n{server.stdout.read()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("the server did not answer /health within 300 s")
+            time.sleep(2)
+        yield base
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+            killed = False
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=30)
+            killed = True
+    assert not killed, f"the server was still running 60 s after SIGTERM:\n{server.stdout.read()[-4000:]}"
+
 
 @pytest.mark.slow
 def test_vllm_serve_answers_completions_with_numbers(tiny_with_tokenizer):
@@ -387,9 +429,7 @@ def test_vllm_serve_answers_completions_with_numbers(tiny_with_tokenizer):
     give the library's greedy tokens, a text prompt with numbers is refused with a 400, and the server shuts down
     when asked."""
     import json
-    import subprocess
     import sys
-    import time
     import urllib.error
     import urllib.request
 
@@ -402,32 +442,16 @@ def test_vllm_serve_answers_completions_with_numbers(tiny_with_tokenizer):
                "--max-model-len", "256", "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 << 20),
                "--served-model-name", "tiny"]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
+    with _serving(command, port, env) as base:
 
-    def post(body: dict) -> tuple[int, dict]:
-        request = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=120) as response:
-                return response.status, json.load(response)
-        except urllib.error.HTTPError as error:
-            return error.code, json.load(error)
-
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if server.poll() is not None:
-                pytest.fail(f"vllm serve exited with {server.returncode}:\n{server.stdout.read()[-4000:]}")
+        def post(body: dict) -> tuple[int, dict]:
+            request = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("vllm serve did not answer /health within 300 s")
-            time.sleep(2)
+                with urllib.request.urlopen(request, timeout=120) as response:
+                    return response.status, json.load(response)
+            except urllib.error.HTTPError as error:
+                return error.code, json.load(error)
 
         text = "价格是99.9元, and 12 apples cost"
         encoded = tokenizer(text)
@@ -441,19 +465,6 @@ def test_vllm_serve_answers_completions_with_numbers(tiny_with_tokenizer):
         assert status == 400 and "numeric_values" in json.dumps(body)
         status, body = post({"model": "tiny", "prompt": "The sky is", "max_tokens": 4, "temperature": 0})
         assert status == 200, body
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-            killed = False
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=30)
-            killed = True
-    # vLLM handles SIGTERM by shutting its HTTP server and engine down: the process ends on its own within the minute
-    # (its exit status depends on the vLLM version's handler, so it is not asserted).
-    log = server.stdout.read()[-4000:]
-    assert not killed, f"vllm serve was still running 60 s after SIGTERM:\n{log}"
 
 
 @pytest.fixture(scope="module")
@@ -461,12 +472,7 @@ def tiny_writer(qwen25_dir, tmp_path_factory):
     """A tiny CausalQwen over the real Qwen2.5 vocabulary that writes <NUM> at some of its greedy steps and text at
     others (a random <NUM> row of the class head, which makes the choice depend on the context, and its bias moved
     until it does), saved with its tokenizer."""
-    tokenizer = CausalQwenTokenizer.from_pretrained(qwen25_dir)
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                         tie_word_embeddings=False, eos_token_id=151645)
-    model = CausalQwenForCausalLM.from_qwen(Qwen2ForCausalLM(config), tokenizer=tokenizer).eval()
+    model, tokenizer = _tiny_over_qwen25(qwen25_dir)
     num = tokenizer.num_token_id
 
     def share() -> float:
@@ -474,7 +480,8 @@ def tiny_writer(qwen25_dir, tmp_path_factory):
         return sum(t.count(num) for t in written) / sum(len(t) for t in written)
 
     with torch.no_grad():
-        model.action.cls_head.weight[num] = torch.randn(config.hidden_size, generator=torch.Generator().manual_seed(0))
+        model.action.cls_head.weight[num] = torch.randn(model.config.causal_size,
+                                                        generator=torch.Generator().manual_seed(0))
         for bias in (0.0, 1.0, 2.0, 3.0):
             model.action.cls_head.bias[num] = bias
             if 0.1 <= share() <= 0.6:
@@ -525,10 +532,7 @@ def test_the_numbers_server_writes_the_numbers_with_their_intervals(tiny_writer,
     chat completions, streamed and not, n = 2, a batch of two prompts and standard mode give the library's greedy
     text with its numbers written, and per number its span, value and intervals; text prompts with numbers are read
     with their values; the server stops on SIGTERM."""
-    import subprocess
     import sys
-    import time
-    import urllib.request
     from pathlib import Path
 
     from openai import BadRequestError, OpenAI
@@ -546,22 +550,8 @@ def test_the_numbers_server_writes_the_numbers_with_their_intervals(tiny_writer,
     # The package of this checkout, whatever an installed copy points at.
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if server.poll() is not None:
-                pytest.fail(f"the server exited with {server.returncode}:\n{server.stdout.read()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("the server did not answer /health within 300 s")
-            time.sleep(2)
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+    with _serving(command, port, env) as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="none")
         greedy = dict(model="tiny", max_tokens=SERVED_TOKENS, temperature=0, extra_body={"ignore_eos": True})
         expected = [library_text(model, tokenizer, text, "traditional") for text in SERVED_TEXTS]
 
@@ -603,16 +593,6 @@ def test_the_numbers_server_writes_the_numbers_with_their_intervals(tiny_writer,
         with pytest.raises(BadRequestError, match="temperature=0"):
             client.completions.create(prompt="x", model="tiny", max_tokens=2, temperature=0.5,
                                       extra_body={"vllm_xargs": {"causal_qwen_mode": "standard"}})
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-            killed = False
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=30)
-            killed = True
-    assert not killed, f"the server was still running 60 s after SIGTERM:\n{server.stdout.read()[-4000:]}"
 
 
 def _has_distribution(name: str) -> bool:
