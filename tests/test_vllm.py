@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -593,6 +594,54 @@ def test_the_numbers_server_writes_the_numbers_with_their_intervals(tiny_writer,
         with pytest.raises(BadRequestError, match="temperature=0"):
             client.completions.create(prompt="x", model="tiny", max_tokens=2, temperature=0.5,
                                       extra_body={"vllm_xargs": {"causal_qwen_mode": "standard"}})
+
+
+class _FailingEngine:
+    """An engine whose steps fail (`error`), or give one output whose numbers the plugin never saw (`error=None`)."""
+
+    def __init__(self, error: Exception | None):
+        self.error, self.running = error, []
+
+    def add_request(self, request_id, prompt, params):
+        self.running.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running)
+
+    def step(self):
+        if self.error is not None:
+            raise self.error
+        request_id = self.running.pop()
+        completion = SimpleNamespace(token_ids=[7], finish_reason=None)
+        return [SimpleNamespace(request_id=request_id, outputs=[completion], finished=False)]
+
+    def abort_request(self, request_ids):
+        self.running = [r for r in self.running if r not in request_ids]
+
+
+def test_the_numbers_server_answers_a_failed_engine_with_a_500():
+    """A failing engine step ends the request it ran with a 500, and later requests too, rather than leave them
+    waiting; a request whose numbers cannot be read ends with a 500 and is aborted, streamed or not."""
+    from fastapi.testclient import TestClient
+
+    from causal_qwen.integrations.vllm_server import EngineLoop, build_app
+
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0}
+    for error in (RuntimeError("the device is gone"), None):
+        engine = _FailingEngine(error)
+        loop = EngineLoop(engine)
+        try:
+            client = TestClient(build_app(loop, SimpleNamespace(num_token_id=5), "m"))
+            for stream in (False, True):
+                answer = client.post("/v1/completions", json={**body, "stream": stream})
+                message = answer.json()["error"]["message"]
+                assert answer.status_code == 500, answer.text
+                if error is not None:
+                    assert ("the device is gone" if not stream else "failed earlier") in message
+                else:
+                    assert "numbers cannot be read" in message and not engine.running
+        finally:
+            loop.close()
 
 
 def _has_distribution(name: str) -> bool:

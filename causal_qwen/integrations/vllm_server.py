@@ -22,6 +22,7 @@ runs as n requests, each with its numbers.
 import argparse
 import asyncio
 import json
+import logging
 import os
 import queue
 import threading
@@ -36,6 +37,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 from .vllm import KEY_ARG, MODE_ARG, VALUES_ARG, GeneratedNumber, generated_numbers  # noqa: E402
 
+_LOG = logging.getLogger(__name__)
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
 _UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "tools", "response_format")
@@ -47,6 +49,10 @@ class RequestError(ValueError):
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
+
+
+class EngineFailed(RuntimeError):
+    """The engine stopped with an error: the request is answered with a 500."""
 
 
 @dataclass
@@ -68,13 +74,18 @@ class EngineLoop:
         self._incoming: queue.Queue = queue.Queue()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Any]] = {}
         self._closed = threading.Event()
+        self.failed: Exception | None = None  # the error that stopped the engine
         self._thread = threading.Thread(target=self._run, name="causal-qwen-engine", daemon=True)
         self._thread.start()
 
     def submit(self, prompt: dict, params) -> tuple[str, asyncio.Queue]:
-        """Queue one request; its `Progress` (or the exception that refused it) arrives on the returned queue."""
+        """Queue one request; its `Progress` (or the exception that refused or ended it) arrives on the returned
+        queue."""
         request_id = uuid.uuid4().hex
         sink: asyncio.Queue = asyncio.Queue()
+        if self.failed is not None:
+            sink.put_nowait(EngineFailed(f"the engine failed earlier: {self.failed}"))
+            return request_id, sink
         self._incoming.put(("add", request_id, prompt, params, asyncio.get_running_loop(), sink))
         return request_id, sink
 
@@ -90,9 +101,19 @@ class EngineLoop:
         while not self._closed.is_set():
             # Block for work when the engine is idle; otherwise take what came in and step.
             self._take(block=not self.engine.has_unfinished_requests())
-            if self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    self._send(output)
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as error:  # noqa: BLE001 - every waiting request is told, then the server stops serving
+                _LOG.exception("the engine failed; the running requests end with its error")
+                for loop, sink, _ in self._sinks.values():
+                    loop.call_soon_threadsafe(sink.put_nowait, error)
+                self._sinks.clear()
+                self.failed = error
+                return
+            for output in outputs:
+                self._send(output)
 
     def _take(self, block: bool) -> None:
         while True:
@@ -118,9 +139,16 @@ class EngineLoop:
             return
         loop, sink, params = held
         completion = output.outputs[0]
-        # Read here, in the engine's thread: the plugin fills the numbers as the engine steps.
-        progress = Progress(list(completion.token_ids), generated_numbers(params), completion.finish_reason,
-                            output.finished)
+        try:
+            # Read here, in the engine's thread: the plugin fills the numbers as the engine steps.
+            numbers = generated_numbers(params)
+        except (KeyError, ValueError, RuntimeError) as error:  # this request's numbers are lost: it ends with a 500
+            loop.call_soon_threadsafe(sink.put_nowait, EngineFailed(f"the request's numbers cannot be read: {error}"))
+            del self._sinks[output.request_id]
+            if not output.finished:
+                self.engine.abort_request([output.request_id])
+            return
+        progress = Progress(list(completion.token_ids), numbers, completion.finish_reason, output.finished)
         loop.call_soon_threadsafe(sink.put_nowait, progress)
         if output.finished:
             del self._sinks[output.request_id]
@@ -227,7 +255,7 @@ def build_app(engine_loop: EngineLoop, tokenizer, model_name: str):
     renderer = Renderer(tokenizer)
 
     def error(message: str, status: int) -> JSONResponse:
-        kind = "NotFoundError" if status == 404 else "BadRequestError"
+        kind = {404: "NotFoundError", 500: "InternalServerError"}.get(status, "BadRequestError")
         return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
     @app.get("/health")
@@ -255,15 +283,17 @@ def build_app(engine_loop: EngineLoop, tokenizer, model_name: str):
         except RequestError as refused:
             return error(str(refused), refused.status)
         call = Call(engine_loop, renderer, model_name, chat, runs)
-        if body.get("stream"):
-            first = await call.start()
-            if first is not None:
-                return error(first, 400)
-            return StreamingResponse(call.events(), media_type="text/event-stream")
         try:
+            if body.get("stream"):
+                first = await call.start()
+                if first is not None:
+                    return error(first, 400)
+                return StreamingResponse(call.events(), media_type="text/event-stream")
             return JSONResponse(await call.whole())
         except RequestError as refused:
             return error(str(refused), refused.status)
+        except EngineFailed as failed:
+            return error(str(failed), 500)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -296,6 +326,12 @@ class Call:
         refusal = None
         for _, sink in self.sinks:
             item = await sink.get()
+            if isinstance(item, EngineFailed):
+                self.abort()
+                raise item
+            if isinstance(item, Exception) and self.engine_loop.failed is not None:
+                self.abort()
+                raise EngineFailed(f"the engine failed: {item}") from item
             if isinstance(item, Exception):
                 refusal = refusal or str(item)
                 item = None
@@ -315,7 +351,7 @@ class Call:
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for index, ((ids, _), (_, sink), progress) in enumerate(zip(self.runs, self.sinks, self.first, strict=True)):
             while not progress.finished:
-                progress = await sink.get()
+                progress = _progress(await sink.get())
             text, numbers = self.renderer.text(progress.token_ids, progress.numbers)
             choices.append(self._choice(index, text, numbers, progress))
             prompt_tokens += len(ids)
@@ -334,7 +370,11 @@ class Call:
         async def follow(index: int, sink: asyncio.Queue, progress: Progress) -> None:
             await merged.put((index, progress))
             while not progress.finished:
-                progress = await sink.get()
+                try:
+                    progress = _progress(await sink.get())
+                except EngineFailed as failed:
+                    await merged.put((index, failed))
+                    return
                 await merged.put((index, progress))
 
         tasks = [asyncio.create_task(follow(i, sink, first))
@@ -346,6 +386,9 @@ class Call:
             done = 0
             while done < len(tasks):
                 index, progress = await merged.get()
+                if isinstance(progress, EngineFailed):  # the stream ends with the error, as vLLM's server ends it
+                    yield f"data: {json.dumps({'error': {'message': str(progress), 'code': 500}})}\n\n"
+                    break
                 text, numbers = self.renderer.text(progress.token_ids, progress.numbers)
                 if not progress.finished and text.endswith("\ufffd"):
                     continue  # a character whose bytes are not all generated yet
@@ -376,6 +419,14 @@ class Call:
         chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                  "created": self.created, "model": self.model_name, "choices": [choice]}
         return f"data: {json.dumps(chunk)}\n\n"
+
+
+def _progress(item) -> Progress:
+    if isinstance(item, EngineFailed):
+        raise item
+    if isinstance(item, Exception):
+        raise EngineFailed(f"the engine failed: {item}") from item
+    return item
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
