@@ -514,15 +514,20 @@ def library_text(model, tokenizer, text: str, mode: str):
     _, low90, high90 = model.value_interval(out.loc_Y[0], out.scale_Y[0], 0.9)
     numbers = [(float(out.numeric_values[0, start + i]), float(low50[i]), float(high50[i]), float(low90[i]),
                 float(high90[i])) for i, token in enumerate(ids) if token == tokenizer.num_token_id]
-    return ids, decoded, numbers
+    # Each number's characters: the lengths of the texts of the ids before it and through it.
+    values = written[0, start:].tolist()
+    spans = [tuple(len(tokenizer.decode(ids[:end], numeric_values=values[:end], skip_special_tokens=True))
+                   for end in (i, i + 1)) for i, token in enumerate(ids) if token == tokenizer.num_token_id]
+    return ids, decoded, numbers, spans
 
 
 def _assert_served(text: str, numbers: list[dict], expected) -> None:
-    _, expected_text, expected_numbers = expected
+    _, expected_text, expected_numbers, expected_spans = expected
     assert text == expected_text
     assert len(numbers) == len(expected_numbers)
-    for number, values in zip(numbers, expected_numbers, strict=True):
+    for number, values, span in zip(numbers, expected_numbers, expected_spans, strict=True):
         assert text[number["start"]:number["end"]] == number["text"]
+        assert (number["start"], number["end"]) == span
         got = [number[k] for k in ("value", "lower_50", "upper_50", "lower_90", "upper_90")]
         assert got == pytest.approx(list(values), rel=1e-5)
 
@@ -612,7 +617,7 @@ class _FailingEngine:
         if self.error is not None:
             raise self.error
         request_id = self.running.pop()
-        completion = SimpleNamespace(token_ids=[7], finish_reason=None)
+        completion = SimpleNamespace(token_ids=[5], finish_reason=None)  # a <NUM> (id 5 here) the plugin never saw
         return [SimpleNamespace(request_id=request_id, outputs=[completion], finished=False)]
 
     def abort_request(self, request_ids):
@@ -629,7 +634,7 @@ def test_the_numbers_server_answers_a_failed_engine_with_a_500():
     body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0}
     for error in (RuntimeError("the device is gone"), None):
         engine = _FailingEngine(error)
-        loop = EngineLoop(engine)
+        loop = EngineLoop(engine, num_token_id=5)
         try:
             client = TestClient(build_app(loop, SimpleNamespace(num_token_id=5), "m"))
             for stream in (False, True):

@@ -247,23 +247,25 @@ class RequestNumbers:
 
 
     def numbers(self, num_token_id: int, value_transform: str, *, every_step: bool = False) -> list[GeneratedNumber]:
-        """The `<NUM>`s of the output (every position with `every_step`) with their values and 90% intervals."""
+        """The `<NUM>`s of the output (every position with `every_step`) with their values, 90% and 50% intervals."""
         from ..cauchy import value_interval
         from ..numbers import round_to_interval
 
-        found = []
         start = len(self.prompt_ids)
-        for index, token in enumerate(list(self.output_ids)):
-            if (token != num_token_id and not every_step) or start + index not in self.predicted:
-                continue
-            value, loc, scale = self.predicted[start + index]
-            # The library's intervals of the heads' float32 distribution.
-            loc_t, scale_t = (torch.tensor([x], dtype=torch.float64) for x in (loc, scale))
-            (lower, upper), (lower_50, upper_50) = (
-                (float(bound[0]) for bound in value_interval(loc_t, scale_t, coverage, value_transform)[1:])
-                for coverage in (0.9, 0.5))
-            found.append(GeneratedNumber(index, value, lower, upper, lower_50, upper_50,
-                                         round_to_interval(value, lower_50, upper_50)))
+        indices = [index for index, token in enumerate(list(self.output_ids))
+                   if (token == num_token_id or every_step) and start + index in self.predicted]
+        if not indices:
+            return []
+        value, loc, scale = zip(*(self.predicted[start + index] for index in indices), strict=True)
+        # The library's intervals of the heads' float32 distribution, for all the numbers at once.
+        loc_t, scale_t = (torch.tensor(x, dtype=torch.float64) for x in (loc, scale))
+        (lower, upper), (lower_50, upper_50) = (
+            value_interval(loc_t, scale_t, coverage, value_transform)[1:] for coverage in (0.9, 0.5))
+        found = []
+        for k, index in enumerate(indices):
+            low, high = float(lower_50[k]), float(upper_50[k])
+            found.append(GeneratedNumber(index, value[k], float(lower[k]), float(upper[k]), low, high,
+                                         round_to_interval(value[k], low, high)))
         return found
 
 

@@ -19,8 +19,10 @@ It takes vLLM's engine options (`--dtype`, `--max-model-len`, `--kv-cache-memory
 runs as n requests, each with its numbers.
 """
 
+# No `from __future__ import annotations`: FastAPI reads the handlers' annotations (`Request`) at run time.
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -69,10 +71,12 @@ class EngineLoop:
     """vLLM's `LLMEngine`, stepped in a thread of its own; requests come in from the event loop and their progress
     goes back to it, one `Progress` per step, on an `asyncio.Queue` per request."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, num_token_id: int):
         self.engine = engine
+        self.num_token_id = num_token_id
         self._incoming: queue.Queue = queue.Queue()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Any]] = {}
+        self._numbers: dict[str, list[GeneratedNumber]] = {}  # per request, its numbers as last read
         self._closed = threading.Event()
         self.failed: Exception | None = None  # the error that stopped the engine
         self._thread = threading.Thread(target=self._run, name="causal-qwen-engine", daemon=True)
@@ -110,6 +114,7 @@ class EngineLoop:
                 for loop, sink, _ in self._sinks.values():
                     loop.call_soon_threadsafe(sink.put_nowait, error)
                 self._sinks.clear()
+                self._numbers.clear()
                 self.failed = error
                 return
             for output in outputs:
@@ -130,7 +135,8 @@ class EngineLoop:
                     loop.call_soon_threadsafe(sink.put_nowait, error)
                     continue
                 self._sinks[request_id] = (loop, sink, params)
-            elif item[0] == "abort" and self._sinks.pop(item[1], None) is not None:
+            elif item[0] == "abort" and item[1] in self._sinks:
+                self._forget(item[1])
                 self.engine.abort_request([item[1]])
 
     def _send(self, output) -> None:
@@ -138,20 +144,28 @@ class EngineLoop:
         if held is None:
             return
         loop, sink, params = held
-        completion = output.outputs[0]
+        request_id, completion = output.request_id, output.outputs[0]
+        token_ids = list(completion.token_ids)
+        numbers = self._numbers.get(request_id, [])
         try:
-            # Read here, in the engine's thread: the plugin fills the numbers as the engine steps.
-            numbers = generated_numbers(params)
+            # Read here, in the engine's thread, where the plugin fills them; again only when a step wrote a number
+            # (a written number's value and intervals never change).
+            if token_ids.count(self.num_token_id) != len(numbers):
+                numbers = self._numbers[request_id] = generated_numbers(params)
         except (KeyError, ValueError, RuntimeError) as error:  # this request's numbers are lost: it ends with a 500
             loop.call_soon_threadsafe(sink.put_nowait, EngineFailed(f"the request's numbers cannot be read: {error}"))
-            del self._sinks[output.request_id]
+            self._forget(request_id)
             if not output.finished:
-                self.engine.abort_request([output.request_id])
+                self.engine.abort_request([request_id])
             return
-        progress = Progress(list(completion.token_ids), numbers, completion.finish_reason, output.finished)
+        progress = Progress(token_ids, numbers, completion.finish_reason, output.finished)
         loop.call_soon_threadsafe(sink.put_nowait, progress)
         if output.finished:
-            del self._sinks[output.request_id]
+            self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._sinks.pop(request_id, None)
+        self._numbers.pop(request_id, None)
 
 
 class Renderer:
@@ -162,22 +176,22 @@ class Renderer:
         self.num_token_id = tokenizer.num_token_id
 
     def text(self, token_ids: list[int], numbers: list[GeneratedNumber]) -> tuple[str, list[dict]]:
-        values = [0.0] * len(token_ids)
+        """The text of `token_ids` with `numbers` written, as `tokenizer.decode` writes it with their values, and per
+        number its span and distribution. One pass: the tokenizer decodes the runs between numbers apart, so the text
+        is the runs' texts and the numbers' digits end to end."""
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
+        pieces, spans, length, after = [], [], 0, 0
         for number in numbers:
-            values[number.index] = number.written
-        decode = self.tokenizer.decode
-        text = decode(token_ids, numeric_values=values, skip_special_tokens=True)
-        spans = []
-        for number in numbers:
-            # The text before a `<NUM>` is the text of the ids before it: the runs between numbers decode apart.
-            start = len(decode(token_ids[:number.index], numeric_values=values[:number.index],
-                               skip_special_tokens=True))
-            end = len(decode(token_ids[:number.index + 1], numeric_values=values[:number.index + 1],
-                             skip_special_tokens=True))
-            spans.append({"start": start, "end": end, "text": text[start:end], "value": number.value,
+            run = decode(token_ids[after:number.index])
+            digits = decode([self.num_token_id], numeric_values=[number.written])
+            start, length = length + len(run), length + len(run) + len(digits)
+            pieces += [run, digits]
+            after = number.index + 1
+            spans.append({"start": start, "end": length, "text": digits, "value": number.value,
                           "lower_50": number.lower_50, "upper_50": number.upper_50, "lower_90": number.lower,
                           "upper_90": number.upper})
-        return text, spans
+        pieces.append(decode(token_ids[after:]))
+        return "".join(pieces), spans
 
     def prompt(self, body: dict, chat: bool) -> list[tuple[list[int], list[float]]]:
         """The prompts of a request as ids and values: chat messages through the chat template, text through the
@@ -225,9 +239,11 @@ def sampling_params(body: dict, values: list[float] | None, chat: bool, choice: 
     for name in _UNSUPPORTED:
         if body.get(name) not in (None, False):
             raise RequestError(f"{name} is not supported by this server")
-    default_tokens = None if chat else 16  # OpenAI's completions default; chat runs to the end or the context
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_tokens)) if chat else \
-        body.get("max_tokens", default_tokens)
+    # OpenAI's completions default 16 tokens; a chat runs to its end or the context's (`max_completion_tokens` is the
+    # chat's newer name of `max_tokens`).
+    max_tokens = body.get("max_tokens", None if chat else 16)
+    if chat:
+        max_tokens = body.get("max_completion_tokens", max_tokens)
     fields = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
     fields.setdefault("temperature", 1.0)
     if "seed" in fields:
@@ -251,7 +267,6 @@ def build_app(engine_loop: EngineLoop, tokenizer, model_name: str):
     from fastapi.responses import JSONResponse, StreamingResponse
 
     app = FastAPI()
-    # The handlers' annotations are read by FastAPI: `Request` must be a name it can resolve.
     renderer = Renderer(tokenizer)
 
     def error(message: str, status: int) -> JSONResponse:
@@ -453,7 +468,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = CausalQwenTokenizer.from_pretrained(engine_args.tokenizer or engine_args.model)
     served = engine_args.served_model_name
     model_name = (served[0] if isinstance(served, list) else served) or engine_args.model
-    engine_loop = EngineLoop(LLMEngine.from_engine_args(engine_args))
+    engine_loop = EngineLoop(LLMEngine.from_engine_args(engine_args), tokenizer.num_token_id)
     try:
         uvicorn.run(build_app(engine_loop, tokenizer, model_name), host=args.host, port=args.port,
                     log_level="info", timeout_graceful_shutdown=10)
