@@ -7,7 +7,9 @@ converted model with the same batch (left padded). Each vLLM engine runs in its 
 warms it up and is not timed. Then the same prompts as `--batch` concurrent completions over HTTP on loopback, to
 vLLM's OpenAI-compatible server on Qwen2.5-0.5B and to the package's server on the converted model, which writes the
 numbers into the text (`causal_qwen.integrations.vllm_server`). It prints generated tokens per second and the three
-ratios (bars: ≥ 0.85 against vLLM's Qwen2, offline and served; ≥ 3 against `generate`).
+ratios (bars: ≥ 0.85 against vLLM's Qwen2, offline and served; ≥ 3 against `generate`). `--causal DIR` serves a
+given CausalQwen folder (a trained one, which writes numbers), `--prompts numbers` asks for continuations that hold
+numbers, `--served-only` times the two servers alone.
 
 Run it in the vllm environment (docs/serving.md):
 
@@ -38,6 +40,13 @@ PROMPTS = [
     "List some fruits:", "The history of Rome begins", "A recipe for pancakes:", "The meaning of life is",
     "Dear hiring manager,", "In computer science, a hash table",
 ]
+# Prompts whose continuations hold numbers, so that a trained CausalQwen writes `<NUM>` (`--prompts numbers`).
+NUMBER_PROMPTS = [
+    "A kilo of apples costs 3.5 dollars, so 4 kilos cost", "The train covered 120 km in 1.5 hours, an average of",
+    "In 2019 the town had 12,400 people; by 2023 it had", "The recipe needs 250 g of flour for 4 people, so for 6",
+    "A car of 2300 pounds and 78 horsepower gets", "The temperature rose from 12.5 to", "Price: 99.9, discount 15%, "
+    "you pay", "The room is 4.2 m by 3.5 m, an area of",
+]
 QWEN25_DIR = Path(os.environ.get("CAUSAL_QWEN_QWEN25_DIR", Path.home() / ".cache" / "causal_qwen" / "qwen2.5-0.5b"))
 
 
@@ -46,7 +55,8 @@ SERVERS = {"vllm-server": "vllm.entrypoints.openai.api_server",
 
 
 def prompts(batch: int) -> list[str]:
-    return [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+    chosen = NUMBER_PROMPTS if os.environ.get("BENCH_VLLM_PROMPTS") == "numbers" else PROMPTS
+    return [chosen[i % len(chosen)] for i in range(batch)]
 
 
 def vllm_rate(model_dir: str, batch: int, new_tokens: int, dtype: str) -> float:
@@ -96,13 +106,16 @@ def served_rate(module: str, model_dir: str, batch: int, new_tokens: int, dtype:
                "--kv-cache-memory-bytes", "1G", "--served-model-name", "served"]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
+    written: list[int] = []
 
     def complete(prompt: str) -> int:
         body = {"model": "served", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
         request = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=600) as response:
-            return json.load(response)["usage"]["completion_tokens"]
+            answer = json.load(response)
+        written.append(len(answer["choices"][0].get("numbers", [])))
+        return answer["usage"]["completion_tokens"]
 
     try:
         deadline = time.monotonic() + 600
@@ -118,12 +131,14 @@ def served_rate(module: str, model_dir: str, batch: int, new_tokens: int, dtype:
                 time.sleep(2)
         with ThreadPoolExecutor(batch) as pool:
             list(pool.map(complete, prompts(batch)))  # warm-up
+            written.clear()  # the timed round's
             start = time.perf_counter()
             tokens = sum(pool.map(complete, prompts(batch)))
             elapsed = time.perf_counter() - start
     finally:
         server.terminate()
         server.wait(timeout=120)
+    print(f"{module}: {sum(written)} numbers written in {tokens} tokens", file=sys.stderr)
     return tokens / elapsed
 
 
@@ -150,8 +165,16 @@ def run_child(*args: str, env: dict[str, str] | None = None) -> float:
     """One measurement in a fresh process, so that each engine has the machine to itself."""
     result = subprocess.run([sys.executable, __file__, "--child", *args], check=True, capture_output=True, text=True,
                             env=env)
+    sys.stderr.write("".join(line + "\n" for line in result.stderr.splitlines() if "numbers written" in line))
     lines = [line for line in result.stdout.splitlines() if line.startswith('{"rate"')]
     return json.loads(lines[-1])["rate"]
+
+
+def _print_served(qwen_served: float, causal_served: float) -> None:
+    print(f"  served: vLLM's server, Qwen2.5-0.5B              {qwen_served:9.1f}")
+    print(f"  served: the package's server, numbers written    {causal_served:9.1f}")
+    print(f"ratio served with the numbers written / Qwen2.5 on vLLM's server: {causal_served / qwen_served:.2f} "
+          "(bar 0.85)")
 
 
 def main() -> None:
@@ -161,8 +184,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--vllm-cores", default="reserved", choices=["reserved", "all"],
                         help="vLLM's default CPU binding (one core kept for its front end), or every core")
+    parser.add_argument("--causal", help="a CausalQwen folder to serve (e.g. a trained one) instead of a fresh "
+                                         "conversion of Qwen2.5-0.5B")
+    parser.add_argument("--prompts", default="text", choices=["text", "numbers"],
+                        help="the prompts: plain text, or texts whose continuations hold numbers")
+    parser.add_argument("--served-only", action="store_true", help="time the two servers only")
     parser.add_argument("--child", nargs=2, metavar=("KIND", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    os.environ["BENCH_VLLM_PROMPTS"] = args.prompts  # the children read it
     if args.child:
         kind, model_dir = args.child
         if kind in SERVERS:
@@ -174,23 +203,27 @@ def main() -> None:
         return
     common = ["--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--dtype", args.dtype]
     with tempfile.TemporaryDirectory() as converted:
-        convert(converted, args.dtype)
+        if args.causal:
+            converted = args.causal
+        else:
+            convert(converted, args.dtype)
         env = vllm_environment(args.vllm_cores)
-        qwen = run_child("vllm", str(QWEN25_DIR), *common, env=env)
-        causal = run_child("vllm", converted, *common, env=env)
-        library = run_child("library", converted, *common)
+        if not args.served_only:
+            qwen = run_child("vllm", str(QWEN25_DIR), *common, env=env)
+            causal = run_child("vllm", converted, *common, env=env)
+            library = run_child("library", converted, *common)
         qwen_served = run_child("vllm-server", str(QWEN25_DIR), *common, env=env)
         causal_served = run_child("numbers-server", converted, *common, env=env)
     print(f"batch {args.batch}, {args.new_tokens} new tokens, {args.dtype}, {os.cpu_count()} CPUs, vLLM cores "
-          f"{args.vllm_cores}, generated tokens/s:")
+          f"{args.vllm_cores}, {args.prompts} prompts, generated tokens/s:")
+    if args.served_only:
+        _print_served(qwen_served, causal_served)
+        return
     print(f"  vLLM, Qwen2.5-0.5B           {qwen:9.1f}")
     print(f"  vLLM, CausalQwen (converted) {causal:9.1f}")
     print(f"  library generate, CausalQwen {library:9.1f}")
-    print(f"  served: vLLM's server, Qwen2.5-0.5B              {qwen_served:9.1f}")
-    print(f"  served: the package's server, numbers written    {causal_served:9.1f}")
     print(f"ratio CausalQwen on vLLM / Qwen2.5 on vLLM: {causal / qwen:.2f} (bar 0.85)")
-    print(f"ratio served with the numbers written / Qwen2.5 on vLLM's server: {causal_served / qwen_served:.2f} "
-          "(bar 0.85)")
+    _print_served(qwen_served, causal_served)
     print(f"ratio CausalQwen on vLLM / library generate: {causal / library:.2f} (bar 3)")
 
 
