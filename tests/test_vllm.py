@@ -616,7 +616,7 @@ class _FailingEngine:
     def step(self):
         if self.error is not None:
             raise self.error
-        request_id = self.running.pop()
+        request_id = self.running[-1]  # it runs on until it ends or is aborted
         completion = SimpleNamespace(token_ids=[5], finish_reason=None)  # a <NUM> (id 5 here) the plugin never saw
         return [SimpleNamespace(request_id=request_id, outputs=[completion], finished=False)]
 

@@ -111,11 +111,11 @@ class EngineLoop:
                 outputs = self.engine.step()
             except Exception as error:  # noqa: BLE001 - every waiting request is told, then the server stops serving
                 _LOG.exception("the engine failed; the running requests end with its error")
+                self.failed = error  # first: a handler told of the error reads it to answer with a 500
                 for loop, sink, _ in self._sinks.values():
                     loop.call_soon_threadsafe(sink.put_nowait, error)
                 self._sinks.clear()
                 self._numbers.clear()
-                self.failed = error
                 return
             for output in outputs:
                 self._send(output)
@@ -153,10 +153,10 @@ class EngineLoop:
             if token_ids.count(self.num_token_id) != len(numbers):
                 numbers = self._numbers[request_id] = generated_numbers(params)
         except (KeyError, ValueError, RuntimeError) as error:  # this request's numbers are lost: it ends with a 500
-            loop.call_soon_threadsafe(sink.put_nowait, EngineFailed(f"the request's numbers cannot be read: {error}"))
             self._forget(request_id)
             if not output.finished:
                 self.engine.abort_request([request_id])
+            loop.call_soon_threadsafe(sink.put_nowait, EngineFailed(f"the request's numbers cannot be read: {error}"))
             return
         progress = Progress(token_ids, numbers, completion.finish_reason, output.finished)
         loop.call_soon_threadsafe(sink.put_nowait, progress)
